@@ -1,0 +1,95 @@
+"""The ``kvtier`` command: benchmarks, the demo, and the configuration table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _bench_transfer(args) -> dict:
+    from rich.progress import Progress
+
+    from kvtier.bench import transfer
+
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("bench transfer", total=args.repeats * 2 + 2)
+        result = transfer.run(gib=args.gib, repeats=args.repeats, disk_dir=args.disk_dir,
+                              progress=lambda: progress.advance(task))
+    if not args.json:
+        _print_table(f"kvtier bench transfer ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} scattered blocks)", [
+            ("offload GB/s (vs memcpy)", f"{result['offload_gbps']:.2f} ({result['offload_vs_memcpy']:.2f}x)"),
+            ("load GB/s (vs memcpy)", f"{result['load_gbps']:.2f} ({result['load_vs_memcpy']:.2f}x)"),
+            ("memcpy GB/s", f"{result['memcpy_gbps']:.2f}"),
+            ("disk write GB/s (vs file)", f"{result['disk_write_gbps']:.2f} ({result['disk_write_vs_file']:.2f}x)"),
+            ("disk read GB/s (vs file)", f"{result['disk_read_gbps']:.2f} ({result['disk_read_vs_file']:.2f}x)"),
+            ("plain file write / read GB/s", f"{result['file_write_gbps']:.2f} / {result['file_read_gbps']:.2f}"),
+            ("key hashing, tokens/s", f"{result['hash_tokens_per_s']:.3g}"),
+        ])
+    return result
+
+
+def _bench_ttft(args) -> dict:
+    from kvtier.bench import ttft
+
+    return ttft.main(args)
+
+
+def _demo(args) -> dict:
+    from kvtier.demo import workload
+
+    return workload.main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser("bench", help="benchmarks, each against a peer measured in the same run")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    transfer = benches.add_parser("transfer", help="host pool and disk tier throughput vs memcpy and plain files")
+    transfer.add_argument("--gib", type=float, default=1.0, help="bytes of blocks to move (default 1 GiB)")
+    transfer.add_argument("--repeats", type=int, default=3)
+    transfer.add_argument("--disk-dir", default=None, help="where the disk benchmark writes (default: a temp dir)")
+    transfer.add_argument("--json", action="store_true", help="print the results as JSON")
+    transfer.set_defaults(run=_bench_transfer)
+
+    ttft = benches.add_parser("ttft", help="time to first token: recompute, kvtier, ExampleConnector (vLLM)")
+    ttft.add_argument("--prompt-tokens", type=int, default=4096)
+    ttft.add_argument("--workdir", default="kvtier-out/bench-ttft")
+    ttft.add_argument("--quick", action="store_true", help="a smaller model and workload")
+    ttft.add_argument("--json", action="store_true")
+    ttft.set_defaults(run=_bench_ttft)
+
+    demo = commands.add_parser("demo", help="vLLM with kvtier on long shared prefixes: cold, warm, after restart")
+    demo.add_argument("--workdir", default="kvtier-out/demo")
+    demo.add_argument("--quick", action="store_true", help="a smaller model and workload")
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(run=_demo)
+
+    config = commands.add_parser("config", help="print the configuration keys")
+    config.add_argument("--markdown", action="store_true")
+    config.set_defaults(run=lambda args: print(__import__("kvtier.config", fromlist=["x"]).markdown_table()))
+
+    args = parser.parse_args(argv)
+    result = args.run(args)
+    if getattr(args, "json", False) and result is not None:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""kvtier's one configuration object, validated in one place.
+
+Sources, later ones winning: built-in defaults, a YAML file (``config_file`` key or
+the ``KVTIER_CONFIG`` environment variable), ``KVTIER_<KEY>`` environment
+variables, then the dict the engine passes (vLLM's ``kv_connector_extra_config``).
+Every key, its default and its meaning are listed in ``KEYS``; the README's table
+is printed from it by ``kvtier config --markdown``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has a value that is not allowed."""
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any) -> int:
+    """``4294967296``, ``"4GiB"``, ``"512MB"`` -> a byte count; raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a size")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return int(str(value).strip())
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return float(value)
+
+
+def _parse_optional_str(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    return str(value)
+
+
+@dataclass(frozen=True)
+class _Key:
+    default: Any
+    parse: Callable[[Any], Any]
+    check: Callable[[Any], bool]
+    allowed: str
+    doc: str
+
+
+def _default_disk_dir() -> str:
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "kvtier")
+
+
+# Every configuration key. Adding a key here is all it takes for it to be parsed,
+# validated, documented and settable from the dict, YAML and KVTIER_* variables.
+KEYS: dict[str, _Key] = {
+    "host_bytes": _Key(
+        "1GiB", parse_bytes, lambda v: v > 0,
+        "a byte count > 0, as an integer or a string such as '4GiB'",
+        "Size of the host memory pool (the first tier). Pinned when the device is CUDA."),
+    "disk_dir": _Key(
+        _default_disk_dir(), _parse_optional_str, lambda v: True,
+        "a directory path, or null to disable the disk tier",
+        "Directory of the disk tier (the embedded default's second tier); null disables it. "
+        "Default: $XDG_CACHE_HOME/kvtier."),
+    "disk_bytes": _Key(
+        "16GiB", parse_bytes, lambda v: v > 0,
+        "a byte count > 0, as an integer or a string such as '100GiB'",
+        "Byte capacity of the disk tier; least recently used entries are evicted beyond it."),
+    "block_size": _Key(
+        None, lambda v: None if v is None else _parse_int(v), lambda v: v is None or v > 0,
+        "an integer > 0, or null to take the engine's",
+        "Tokens per block, where the engine does not give it (vLLM does)."),
+    "store_partial_block": _Key(
+        False, _parse_bool, lambda v: True, "true or false",
+        "Also store a prompt's last, partial block under its own key."),
+    "disk_io_threads": _Key(
+        2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
+        "Threads that read and write disk entries, off the engine's step."),
+    "copy_threads": _Key(
+        2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
+        "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),
+    "load_failure_policy": _Key(
+        "recompute", str, lambda v: v in ("recompute", "fail"), "'recompute' or 'fail'",
+        "What the engine does with blocks that fail to load (missing, corrupt, store down): recompute "
+        "them, or fail the request with an error (strict)."),
+    "verify_loads": _Key(
+        False, _parse_bool, lambda v: True, "true or false",
+        "Test mode: the worker checks every loaded block's bytes against the checksum taken when it was stored."),
+    "model_id": _Key(
+        None, _parse_optional_str, lambda v: True, "a string, or null to take the engine's model name",
+        "Model identity mixed into every key; set it when two different models share a name or path."),
+    "config_file": _Key(
+        None, _parse_optional_str, lambda v: v is None or Path(v).is_file(), "the path of an existing YAML file",
+        "YAML file with any of these keys (also KVTIER_CONFIG)."),
+}
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    host_bytes: int
+    disk_dir: str | None
+    disk_bytes: int
+    block_size: int | None
+    store_partial_block: bool
+    disk_io_threads: int
+    copy_threads: int
+    load_failure_policy: str
+    verify_loads: bool
+    model_id: str | None
+    config_file: str | None
+
+    @classmethod
+    def from_sources(
+        cls,
+        extra_config: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "KVTierConfig":
+        """Merge defaults, YAML, ``KVTIER_*`` variables and ``extra_config``; validate."""
+        environ = os.environ if environ is None else environ
+        extra_config = dict(extra_config or {})
+        _reject_unknown(extra_config, "kv_connector_extra_config")
+        env_values = {
+            name[len("KVTIER_"):].lower(): value
+            for name, value in environ.items()
+            if name.startswith("KVTIER_") and name != "KVTIER_CONFIG"
+        }
+        _reject_unknown(env_values, "environment (KVTIER_*)")
+
+        config_file = extra_config.get("config_file", env_values.get("config_file", environ.get("KVTIER_CONFIG")))
+        raw: dict[str, Any] = {name: key.default for name, key in KEYS.items()}
+        if config_file is not None:
+            raw["config_file"] = config_file
+            file_path = _validated("config_file", config_file)
+            if file_path is not None:
+                loaded = yaml.safe_load(Path(file_path).read_text()) or {}
+                if not isinstance(loaded, dict):
+                    raise ConfigError(f"kvtier config: {file_path} must hold a mapping of keys, not {type(loaded).__name__}")
+                _reject_unknown(loaded, str(file_path))
+                raw.update(loaded)
+        raw.update(env_values)
+        raw.update(extra_config)
+        return cls(**{name: _validated(name, value) for name, value in raw.items()})
+
+    def replace(self, **changes: Any) -> "KVTierConfig":
+        _reject_unknown(changes, "replace()")
+        merged = dataclasses.asdict(self) | changes
+        return KVTierConfig(**{name: _validated(name, value) for name, value in merged.items()})
+
+
+def _reject_unknown(values: Mapping[str, Any], source: str) -> None:
+    for name in values:
+        if name not in KEYS:
+            close = difflib.get_close_matches(name, KEYS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"kvtier config: unknown key '{name}' in {source}{hint} Known keys: {', '.join(sorted(KEYS))}")
+
+
+def _validated(name: str, value: Any) -> Any:
+    key = KEYS[name]
+    try:
+        parsed = key.parse(value)
+        ok = key.check(parsed)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(
+            f"kvtier config: key '{name}' has value {value!r}, which is not allowed ({error}); "
+            f"allowed: {key.allowed}") from None
+    if not ok:
+        raise ConfigError(f"kvtier config: key '{name}' has value {value!r}, which is not allowed; allowed: {key.allowed}")
+    return parsed
+
+
+def markdown_table() -> str:
+    """The README's configuration table, from ``KEYS``."""
+    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    for name, key in KEYS.items():
+        default = "`$XDG_CACHE_HOME/kvtier`" if name == "disk_dir" else f"`{key.default}`"
+        lines.append(f"| `{name}` | {default} | {key.allowed} | {key.doc} |")
+    return "\n".join(lines)

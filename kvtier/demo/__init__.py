@@ -1,0 +1,1 @@
+"""The demo workload and the local model it runs on."""

@@ -1,0 +1,1 @@
+"""Adapters that plug kvtier's engine-neutral core into serving engines."""

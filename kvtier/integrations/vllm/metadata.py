@@ -1,0 +1,32 @@
+"""The two messages between vLLM's scheduler and its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvtier.plans import JobReport, LoadJob, StoreJob
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    load_jobs: list[LoadJob] = field(default_factory=list)
+    store_jobs: list[StoreJob] = field(default_factory=list)
+    # Requests preempted this step: their blocks are reused once stores reading them are done.
+    preempted_store_job_ids: list[int] = field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until these store jobs have read them.
+    send_waits: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step; vLLM concatenates the ranks' reports."""
+
+    reports: list[JobReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(self.reports + other.reports)

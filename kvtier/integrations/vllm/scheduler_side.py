@@ -1,0 +1,198 @@
+"""The connector's scheduler half: vLLM requests in, kvtier jobs out.
+
+This runs in vLLM's scheduler process and holds no tensor. It keys each
+request's blocks, asks the ``TierManager`` for hits, plans loads into the blocks
+vLLM allocated and stores of blocks each step computes, and tells vLLM when a
+finished request's blocks may be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm.v1.request import RequestStatus
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.namespace import EngineGeometry
+from kvtier.keys import block_keys
+from kvtier.manager import TierManager
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _RequestState:
+    request: object  # vllm.v1.request.Request; read for its tokens
+    extra_keys: tuple
+    keys: list[bytes] = field(default_factory=list)  # full blocks keyed so far
+    block_ids: list[int] = field(default_factory=list)
+    num_stored_blocks: int = 0  # blocks [0, n) are stored, loaded, or were planned for storing
+    partial_planned: bool = False
+    store_job_ids: set[int] = field(default_factory=set)  # stores that read this request's current blocks
+
+
+class SchedulerSide:
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry):
+        self.config = config
+        self.geometry = geometry
+        self.block_size = geometry.block_size
+        self.fingerprint = geometry.namespace.fingerprint()
+        rank_fingerprints = [geometry.namespace.for_rank(r).fingerprint() for r in range(geometry.tp_size)]
+        self.manager = TierManager(config, geometry.slot_bytes, rank_fingerprints, geometry.tp_rank_count)
+        self._requests: dict[str, _RequestState] = {}
+        self._lookups: dict[str, int] = {}  # req_id -> tokens that the last lookup found in the tiers
+        self._new_loads = []
+        self._send_waits: dict[str, list[int]] = {}
+        self._preempted_store_job_ids: list[int] = []
+        self._store_job_owner: dict[int, str] = {}
+        self.hit_tokens = {"host": 0, "disk": 0}
+
+    # --- keys ---------------------------------------------------------------
+    def _state(self, request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            extra = []
+            if getattr(request, "lora_request", None) is not None:
+                extra.append("lora:" + str(request.lora_request.lora_name))
+            if getattr(request, "cache_salt", None):
+                extra.append("salt:" + str(request.cache_salt))
+            state = _RequestState(request, tuple(extra))
+            self._requests[request.request_id] = state
+        return state
+
+    def _full_keys(self, state: _RequestState, num_tokens: int) -> list[bytes]:
+        """Keys of the full blocks among the first ``num_tokens`` tokens, extended incrementally."""
+        num_full = num_tokens // self.block_size
+        if len(state.keys) < num_full:
+            tokens = state.request.all_token_ids[:num_full * self.block_size]
+            state.keys += block_keys(self.fingerprint, tokens, self.block_size, state.extra_keys,
+                                     start_block=len(state.keys), parent=state.keys[-1] if state.keys else None)
+        return state.keys[:num_full]
+
+    def _partial_key(self, state: _RequestState, num_tokens: int) -> bytes | None:
+        if num_tokens % self.block_size == 0:
+            return None
+        full = self._full_keys(state, num_tokens)
+        tokens = state.request.all_token_ids[len(full) * self.block_size:num_tokens]
+        return block_keys(self.fingerprint, tokens, self.block_size, state.extra_keys, include_partial=True,
+                          parent=full[-1] if full else None)[-1]
+
+    @staticmethod
+    def _unsupported(request) -> bool:
+        return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+
+    # --- vLLM scheduler hooks -------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._unsupported(request):
+            return 0, False
+        state = self._state(request)
+        num_tokens = request.num_tokens
+        keys = self._full_keys(state, num_tokens)
+        start = num_computed_tokens // self.block_size
+        hit_blocks = start + self.manager.lookup(keys[start:])
+        hit_tokens = hit_blocks * self.block_size
+        if self.config.store_partial_block and hit_blocks == len(keys):
+            partial = self._partial_key(state, num_tokens)
+            if partial is not None and self.manager.lookup([partial]):
+                hit_tokens = num_tokens
+        num_external = hit_tokens - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        self._lookups[request.request_id] = hit_tokens
+        return num_external, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.block_ids = list(blocks.get_block_ids()[0])
+        hit_tokens = self._lookups.pop(request.request_id, 0)
+        if num_external_tokens == 0:
+            return
+        first_token = hit_tokens - num_external_tokens
+        first_block = first_token // self.block_size
+        keys = self._full_keys(state, hit_tokens)[first_block:]
+        if hit_tokens % self.block_size:
+            keys.append(self._partial_key(state, hit_tokens))
+        block_ids = state.block_ids[first_block:first_block + len(keys)]
+        job = self.manager.plan_load(request.request_id, keys, block_ids)
+        self._new_loads.append(job)
+        state.num_stored_blocks = max(state.num_stored_blocks, hit_tokens // self.block_size)
+        state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
+        self.hit_tokens["host"] += len(job.ready_block_ids) * self.block_size
+        self.hit_tokens["disk"] += len(job.fill_block_ids) * self.block_size
+
+    def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._requests:
+                self._requests[new.req_id].block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            new_block_ids = cached.new_block_ids[i]
+            if state is None or new_block_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_block_ids[0])  # a resumed request gets all its blocks anew
+            else:
+                state.block_ids += new_block_ids[0]
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                # vLLM frees the blocks now; workers wait for these stores before reusing them.
+                self._preempted_store_job_ids += state.store_job_ids
+                state.store_job_ids = set()
+                state.block_ids = []
+        store_jobs = []
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or self._unsupported(state.request):
+                continue
+            store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
+        meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits)
+        self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
+        return meta
+
+    def _plan_stores(self, state: _RequestState, num_computed_after: int) -> list:
+        """Stores of the blocks that this step completes (and the prompt's partial block)."""
+        request = state.request
+        num_full = min(num_computed_after // self.block_size, len(state.block_ids))
+        jobs = []
+        if num_full > state.num_stored_blocks:
+            keys = self._full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
+            job = self.manager.plan_store(request.request_id, keys, state.block_ids[state.num_stored_blocks:num_full])
+            state.num_stored_blocks = num_full  # not retried: a block that did not fit is a later miss
+            jobs.append(job)
+        num_prompt = request.num_prompt_tokens
+        if (self.config.store_partial_block and not state.partial_planned and num_computed_after >= num_prompt
+                and num_prompt % self.block_size and num_prompt // self.block_size < len(state.block_ids)):
+            state.partial_planned = True
+            jobs.append(self.manager.plan_store(request.request_id, [self._partial_key(state, num_prompt)],
+                                                [state.block_ids[num_prompt // self.block_size]]))
+        jobs = [job for job in jobs if job is not None]
+        for job in jobs:
+            state.store_job_ids.add(job.job_id)
+            self._store_job_owner[job.job_id] = request.request_id
+        return jobs
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for job_id in self.manager.on_reports(meta.reports):
+            req_id = self._store_job_owner.pop(job_id, None)
+            state = self._requests.get(req_id) if req_id is not None else None
+            if state is not None:
+                state.store_job_ids.discard(job_id)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, None]:
+        state = self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        if state is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False, None  # vLLM itself holds a loading request's blocks until the load reports
+        pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
+        if not pending:
+            return False, None
+        # Stores still read this request's blocks: vLLM keeps them until the workers say they are done.
+        self._send_waits[request.request_id] = pending
+        return True, None

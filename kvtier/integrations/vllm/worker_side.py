@@ -1,0 +1,98 @@
+"""The connector's worker half: runs the scheduler's jobs against vLLM's KV cache.
+
+This runs in every vLLM worker. Jobs are submitted once each, by id, however often
+vLLM calls in a step; the job -> request map lives across steps; completions come
+from ``TierWorker.poll``, which is thread-safe. Nothing here waits on storage,
+except ``handle_preemptions``, which waits for the device -> host copies that
+still read blocks vLLM is about to reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.namespace import EngineGeometry
+from kvtier.worker import TierWorker
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+class WorkerSide:
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int):
+        self.config = config
+        self.geometry = geometry
+        self.rank_fingerprint = geometry.namespace.for_rank(tp_rank).fingerprint()
+        self.tier_worker: TierWorker | None = None
+        self._submitted_job_ids: set[int] = set()
+        self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
+        self._send_waits: dict[str, list[int]] = {}
+        self._reports = []
+        self._load_error_block_ids: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [name for name in self.geometry.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"kvtier: vLLM gave no KV cache for layers {missing[:4]}")
+        tensors = [kv_caches[name] for name in self.geometry.layer_names]
+        self.tier_worker = TierWorker(self.config, tensors, self.geometry.num_blocks, self.geometry.block_size,
+                                      self.rank_fingerprint)
+        if self.tier_worker.layout.slot_bytes != self.geometry.slot_bytes:
+            raise ValueError(f"kvtier: KV cache layout {self.tier_worker.layout.kind} holds "
+                             f"{self.tier_worker.layout.slot_bytes} bytes per block, vLLM's spec says "
+                             f"{self.geometry.slot_bytes}")
+        logger.info("kvtier: %s layout, %d layers, %d host slots of %d bytes", self.tier_worker.layout.kind,
+                    len(tensors), self.tier_worker.num_slots, self.tier_worker.layout.slot_bytes)
+
+    def _new_jobs(self, jobs):
+        for job in jobs:
+            if job.job_id not in self._submitted_job_ids:  # a job is submitted once, however often we are called
+                self._submitted_job_ids.add(job.job_id)
+                yield job
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        for job in self._new_jobs(meta.load_jobs):
+            self._load_owner[job.job_id] = job.req_id
+            self.tier_worker.submit_load(job)
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        # Called after the step's forward: the KV that these stores read has been written.
+        for job in self._new_jobs(meta.store_jobs):
+            self.tier_worker.submit_store(job)
+        self._send_waits.update(meta.send_waits)
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        if meta.preempted_store_job_ids and self.tier_worker is not None:
+            # vLLM reuses a preempted request's blocks in this step: finish reading them first.
+            self.tier_worker.wait_for_device_reads(meta.preempted_store_job_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished_recving: set[str] = set()
+        for report in self.tier_worker.poll() if self.tier_worker is not None else ():
+            self._reports.append(report)
+            self._submitted_job_ids.discard(report.job_id)
+            if report.is_load:
+                finished_recving.add(self._load_owner.pop(report.job_id))
+                self._load_error_block_ids.update(report.failed_block_ids)
+        finished_sending = {req_id for req_id, job_ids in self._send_waits.items()
+                            if all(self.tier_worker.device_reads_done(j) for j in job_ids)}
+        for req_id in finished_sending:
+            del self._send_waits[req_id]
+        return finished_sending, finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_error_block_ids = self._load_error_block_ids, set()
+        return errors
+
+    def build_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if not self._reports:
+            return None
+        reports, self._reports = self._reports, []
+        return KVTierWorkerMetadata(reports)
+
+    def shutdown(self) -> None:
+        if self.tier_worker is not None:
+            self.tier_worker.close()

@@ -1,0 +1,171 @@
+"""Where a block's bytes live in an engine's paged KV cache. Torch-free.
+
+An engine hands kvtier its KV cache as one tensor per layer (or one for all
+layers). For every block id, each tensor holds the block in one or more contiguous
+byte runs ("segments"): segment s of block b starts at
+``address + s.offset + b * s.stride`` and is ``s.nbytes`` long.
+
+A host slot holds one block for all layers: the segments of every tensor, one
+after the other, ``slot_bytes`` in all.
+
+Supported layouts (``KVLayout.kind``):
+- ``blocks_first``: ``[num_blocks, 2, block_size, heads * head_size]`` (vLLM CPU) or
+  ``[num_blocks, 2, block_size, heads, head_size]`` (FlashInfer): one run per block.
+- ``kv_first``: ``[2, num_blocks, block_size, heads, head_size]`` (vLLM CUDA
+  FlashAttention): K and V are two runs.
+- ``mla``: ``[num_blocks, block_size, latent_size]``: one run.
+- ``cross_layer``: one tensor ``[num_blocks, num_layers, ...]`` where one block holds
+  all layers: one run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+LAYOUT_KINDS = ("blocks_first", "kv_first", "mla", "cross_layer")
+
+
+class LayoutError(ValueError):
+    """The KV cache's shape is not one kvtier knows how to address."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What kvtier needs to know of one KV cache tensor (no torch here)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements, as torch reports them
+    itemsize: int
+    address: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    tensor_index: int
+    offset: int  # bytes from the tensor's address to block 0's run
+    stride: int  # bytes between the runs of block b and block b + 1
+    nbytes: int
+    slot_offset: int  # where this run sits inside a host slot
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    kind: str
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    block_shape: tuple[int, ...]  # one layer's per-block shape, for the key namespace
+    segments: tuple[Segment, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def copy_runs(
+        self,
+        tensor_addresses: Sequence[int],
+        host_address: int,
+        block_ids: np.ndarray,
+        slot_ids: np.ndarray,
+        to_host: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dst, src, length) int64 arrays that move ``block_ids`` <-> ``slot_ids``.
+
+        Runs that are adjacent on both sides are merged into one copy.
+        """
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        slot_ids = np.asarray(slot_ids, dtype=np.int64)
+        if block_ids.shape != slot_ids.shape:
+            raise ValueError("block_ids and slot_ids must have the same length")
+        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        device_parts, host_parts, length_parts = [], [], []
+        slot_base = host_address + slot_ids * self.slot_bytes
+        for seg in self.segments:
+            device_parts.append(tensor_addresses[seg.tensor_index] + seg.offset + block_ids * seg.stride)
+            host_parts.append(slot_base + seg.slot_offset)
+            length_parts.append(np.full(block_ids.size, seg.nbytes, dtype=np.int64))
+        device = np.concatenate(device_parts) if device_parts else np.empty(0, np.int64)
+        host = np.concatenate(host_parts) if host_parts else np.empty(0, np.int64)
+        lengths = np.concatenate(length_parts) if length_parts else np.empty(0, np.int64)
+        dst, src = (host, device) if to_host else (device, host)
+        return coalesce(dst, src, lengths)
+
+
+def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge run i+1 into run i where both sides continue exactly where i ends."""
+    if lengths.size <= 1:
+        return dst, src, lengths
+    continues = (dst[:-1] + lengths[:-1] == dst[1:]) & (src[:-1] + lengths[:-1] == src[1:])
+    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
+    return dst[starts], src[starts], np.add.reduceat(lengths, starts)
+
+
+def detect_layout(
+    tensors: Sequence[TensorInfo],
+    num_blocks: int,
+    block_size: int,
+    kind: str | None = None,
+) -> KVLayout:
+    """Recognise the layout of an engine's KV tensors, or raise LayoutError naming the shape."""
+    if not tensors:
+        raise LayoutError("no KV cache tensors were given")
+    if kind is not None and kind not in LAYOUT_KINDS:
+        raise LayoutError(f"unknown layout kind {kind!r}; known: {', '.join(LAYOUT_KINDS)}")
+    first = tensors[0].shape
+    for info in tensors:
+        if info.shape != first or info.itemsize != tensors[0].itemsize:
+            raise LayoutError(f"KV tensors differ in shape or dtype: {first} and {info.shape}")
+        if not _is_contiguous(info.shape, info.strides):
+            raise LayoutError(f"KV tensor of shape {info.shape} is not contiguous (strides {info.strides})")
+    kind = kind or _guess_kind(first, num_blocks, block_size, len(tensors))
+    itemsize = tensors[0].itemsize
+    if kind == "kv_first":
+        if len(first) < 3 or first[0] != 2 or first[1] != num_blocks:
+            raise LayoutError(f"shape {first} is not [2, num_blocks={num_blocks}, block_size, ...]")
+        per_block = math.prod(first[2:]) * itemsize
+        block_shape = (2, *first[2:])
+        runs = [(0, per_block), (num_blocks * per_block, per_block)]
+        num_layers = len(tensors)
+    else:
+        if len(first) < 2 or first[0] != num_blocks:
+            raise LayoutError(f"shape {first} does not start with num_blocks={num_blocks} for layout {kind!r}")
+        per_block = math.prod(first[1:]) * itemsize
+        block_shape = tuple(first[1:])
+        runs = [(0, per_block)]
+        num_layers = first[1] if kind == "cross_layer" else len(tensors)
+    segments, slot_offset = [], 0
+    for index in range(len(tensors)):
+        for offset, nbytes in runs:
+            segments.append(Segment(index, offset, per_block, nbytes, slot_offset))
+            slot_offset += nbytes
+    return KVLayout(kind, num_blocks, block_size, num_layers, block_shape, tuple(segments))
+
+
+def _guess_kind(shape: tuple[int, ...], num_blocks: int, block_size: int, num_tensors: int) -> str:
+    blocks_first = len(shape) >= 4 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
+    kv_first = len(shape) >= 4 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
+    mla = len(shape) == 3 and shape[0] == num_blocks and shape[1] == block_size
+    cross_layer = num_tensors == 1 and len(shape) >= 4 and shape[0] == num_blocks and not blocks_first
+    matches = [name for name, hit in (("blocks_first", blocks_first), ("kv_first", kv_first),
+                                      ("mla", mla), ("cross_layer", cross_layer)) if hit]
+    if len(matches) == 1:
+        return matches[0]
+    reason = "matches several layouts " + ", ".join(matches) if matches else "matches no known layout"
+    raise LayoutError(
+        f"KV cache shape {shape} (num_blocks={num_blocks}, block_size={block_size}) {reason}; "
+        f"known: [num_blocks, 2, block_size, ...] (blocks_first), [2, num_blocks, block_size, ...] (kv_first), "
+        f"[num_blocks, block_size, latent] (mla), one [num_blocks, num_layers, ...] tensor (cross_layer)")
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,0 +1,59 @@
+"""What crosses between the scheduler side and the worker side. Torch-free.
+
+The scheduler plans jobs (which device blocks, which host slots, which keys) and
+the worker carries them out and reports each job once per rank. Only these small
+dataclasses cross; no tensor, no tier object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Fill device blocks from the tiers. ``ready_*`` blocks are already in host
+    slots; ``fill_*`` blocks are read from disk into their reserved host slots
+    first; ``missing_block_ids`` could not be found and fail at once."""
+
+    job_id: int
+    req_id: str
+    ready_block_ids: list[int]
+    ready_slot_ids: list[int]
+    ready_keys: list[bytes]
+    fill_block_ids: list[int]
+    fill_slot_ids: list[int]
+    fill_keys: list[bytes]
+    missing_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ready_block_ids) + len(self.fill_block_ids) + len(self.missing_block_ids)
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Copy device blocks into reserved host slots, then write ``disk_keys``
+    (a subset, with their slots) through to the disk tier."""
+
+    job_id: int
+    req_id: str
+    block_ids: list[int]
+    slot_ids: list[int]
+    keys: list[bytes]
+    disk_keys: list[bytes]
+    disk_slot_ids: list[int]
+
+
+@dataclass
+class JobReport:
+    """One rank's outcome of one job."""
+
+    job_id: int
+    is_load: bool
+    success: bool  # every block of the job moved
+    failed_block_ids: list[int] = field(default_factory=list)  # loads: blocks to recompute
+    bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated, foreign or missing
+    failed_disk_keys: list[bytes] = field(default_factory=list)  # stores: disk writes that failed
+    num_bytes: int = 0
+    seconds: float = 0.0

@@ -1,0 +1,242 @@
+"""Disk tier: blocks persisted as files under a directory. Torch-free.
+
+Layout on disk: ``<disk_dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, one
+file per block and rank, a 64-byte ``kvtier.entry`` header then the slot's bytes.
+Files and folders are created readable by their owner only. A write goes to a
+temporary file that is renamed into place, so a crash never leaves a
+half-written file under an entry's name; a torn write after a power loss fails
+its checksum and is a miss.
+
+Two halves, one per side:
+- ``DiskIndex`` runs in the scheduler: which keys are on disk (found again by a
+  scan at start-up), pins for loads in flight, LRU eviction within ``disk_bytes``.
+- ``DiskStore`` runs in the worker: reads and writes entries, on the worker's I/O
+  threads, never on the engine's step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+from kvtier.entry import HEADER_BYTES, check_entry, encode_header, header_checksum
+
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+
+
+def entry_path(root: Path, rank_fingerprint: bytes, key: bytes) -> Path:
+    key_hex = key.hex()
+    return root / rank_fingerprint.hex() / key_hex[:2] / key_hex
+
+
+class DiskIndex:
+    """Which blocks are on disk, for all ranks of one namespace.
+
+    An entry counts as present only when every rank's file is there. Each entry
+    costs ``len(rank_fingerprints) * (header + slot_bytes)`` of ``capacity_bytes``.
+    """
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, slot_bytes: int,
+                 rank_fingerprints: Sequence[bytes]):
+        self.root = Path(root)
+        self.slot_bytes = slot_bytes
+        self.rank_fingerprints = list(rank_fingerprints)
+        self.entry_bytes = len(self.rank_fingerprints) * (HEADER_BYTES + slot_bytes)
+        self.capacity_entries = capacity_bytes // self.entry_bytes
+        if self.capacity_entries <= 0:
+            raise ValueError(f"disk_bytes={capacity_bytes} holds no entry of {self.entry_bytes} bytes")
+        self._ready: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._writing: set[bytes] = set()
+        self._pins: dict[bytes, int] = {}
+        self.num_evictions = 0
+        self.num_discarded = 0
+        for fingerprint in self.rank_fingerprints:
+            (self.root / fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        """Find the entries a previous process left, oldest first."""
+        found: dict[bytes, float] | None = None
+        expected_size = HEADER_BYTES + self.slot_bytes
+        for fingerprint in self.rank_fingerprints:
+            rank_entries: dict[bytes, float] = {}
+            for sub in (self.root / fingerprint.hex()).iterdir():
+                if not sub.is_dir():
+                    continue
+                for item in os.scandir(sub):
+                    if item.name.endswith(".tmp"):
+                        _unlink_quietly(item.path)  # a write that a crash interrupted
+                        continue
+                    try:
+                        key = bytes.fromhex(item.name)
+                        stat = item.stat()
+                    except (ValueError, OSError):
+                        continue
+                    if len(key) == 16 and stat.st_size == expected_size:
+                        rank_entries[key] = stat.st_mtime
+            found = rank_entries if found is None else {
+                k: max(t, rank_entries[k]) for k, t in found.items() if k in rank_entries}
+        for key, _ in sorted((found or {}).items(), key=lambda item: item[1]):
+            self._ready[key] = None
+        while len(self._ready) > self.capacity_entries:
+            self._evict_one()
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._ready) + len(self._writing)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        hits = 0
+        for key in keys:
+            if key not in self._ready:
+                break
+            self._ready.move_to_end(key)
+            hits += 1
+        return hits
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._ready or key in self._writing
+
+    def prepare_load(self, keys: Sequence[bytes]) -> None:
+        """Pin ready entries so that eviction leaves their files until ``complete_load``."""
+        for key in keys:
+            if key not in self._ready:
+                raise KeyError(key.hex())
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            pins = self._pins[key] - 1
+            if pins:
+                self._pins[key] = pins
+            else:
+                del self._pins[key]
+
+    def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Reserve room for the keys not yet on disk; returns those to write.
+
+        Evicts least recently used, unpinned entries to make room; writes only as
+        many keys as fit.
+        """
+        new_keys = [k for k in dict.fromkeys(keys) if k not in self._ready and k not in self._writing]
+        accepted = []
+        for key in new_keys:
+            if self.num_entries >= self.capacity_entries and not self._evict_one():
+                break
+            self._writing.add(key)
+            accepted.append(key)
+        return accepted
+
+    def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
+        for key in keys:
+            self._writing.discard(key)
+            if success:
+                self._ready[key] = None
+            else:
+                self._delete_files(key)
+
+    def discard(self, key: bytes) -> None:
+        """Drop an entry found corrupt or missing: a miss from now on."""
+        if key in self._ready and key not in self._pins:
+            del self._ready[key]
+            self._delete_files(key)
+            self.num_discarded += 1
+
+    def _evict_one(self) -> bool:
+        for key in self._ready:
+            if key not in self._pins:
+                del self._ready[key]
+                self._delete_files(key)
+                self.num_evictions += 1
+                return True
+        return False
+
+    def _delete_files(self, key: bytes) -> None:
+        # Synchronous on purpose: a deferred unlink could delete a newer file that a
+        # later store of the same key renamed into place.
+        for fingerprint in self.rank_fingerprints:
+            _unlink_quietly(entry_path(self.root, fingerprint, key))
+
+
+class DiskStore:
+    """Reads and writes one rank's entries. Thread-safe; call it off the engine's step."""
+
+    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int):
+        self.root = Path(root)
+        self.rank_fingerprint = rank_fingerprint
+        self.slot_bytes = slot_bytes
+        (self.root / rank_fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self._made_dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    def path(self, key: bytes) -> Path:
+        return entry_path(self.root, self.rank_fingerprint, key)
+
+    def write(self, key: bytes, payload: memoryview) -> None:
+        """Write one entry atomically (temporary file, then rename). Raises OSError."""
+        path = self.path(key)
+        parent = str(path.parent)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
+            with self._lock:
+                self._made_dirs.add(parent)
+        header = encode_header(self.rank_fingerprint, key, payload)
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        try:
+            try:
+                written = os.writev(fd, [header, payload])
+            finally:
+                os.close(fd)
+            if written != HEADER_BYTES + len(payload):
+                raise OSError(f"short write to {temporary}: {written} bytes")
+            os.replace(temporary, path)  # the entry appears whole, or not at all
+        except BaseException:
+            _unlink_quietly(temporary)
+            raise
+
+    def read_into(self, key: bytes, out: memoryview) -> str | None:
+        """Read one entry into ``out``; None on success, else why it is a miss.
+
+        On failure ``out`` holds garbage and must not be used.
+        """
+        header = bytearray(HEADER_BYTES)
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as error:
+            return f"unreadable: {error}"
+        try:
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + len(out):
+                return f"truncated or wrong size ({size} bytes)"
+            got = os.readv(fd, [header, out])
+        except OSError as error:
+            return f"unreadable: {error}"
+        finally:
+            os.close(fd)
+        if got != HEADER_BYTES + len(out):
+            return f"truncated ({got} bytes read)"
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
+
+
+    def stored_checksum(self, key: bytes) -> int | None:
+        """The payload checksum recorded in an entry's header, or None."""
+        try:
+            with open(self.path(key), "rb") as file:
+                return header_checksum(file.read(HEADER_BYTES), self.rank_fingerprint, key)
+        except OSError:
+            return None
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,73 @@
+"""CPU device: blocks are copied by a native memcpy loop on worker threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvtier._native import copy_runs
+from kvtier.layout import KVLayout
+from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult
+
+
+def split_by_bytes(lengths: np.ndarray, num_parts: int) -> list[slice]:
+    """Cut a run list into at most ``num_parts`` consecutive parts of about equal bytes."""
+    if lengths.size == 0:
+        return []
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, num_parts) / num_parts, side="right")
+    bounds = np.unique(np.concatenate(([0], cuts, [lengths.size])))
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class CpuCopier(DeviceCopier):
+    """Copies run on ``num_threads`` threads; ``start`` only plans and enqueues."""
+
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int):
+        self._layout = layout
+        # Copies use raw addresses: hold the tensors so their memory outlives every copy.
+        self._tensors = list(tensors)
+        self._host_buffer = host_buffer
+        self._tensor_addresses = [t.data_ptr() for t in self._tensors]
+        self._host_address = host_buffer.data_ptr()
+        self._num_threads = num_threads
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kvtier-copy")
+
+    def job_bytes(self, job: TransferJob) -> int:
+        return len(job.block_ids) * self._layout.slot_bytes
+
+    def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
+        dst, src, lengths = self._layout.copy_runs(
+            self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host)
+        parts = split_by_bytes(lengths, self._num_threads)
+        began = time.perf_counter()
+        if not parts:
+            on_done(TransferResult(job.job_id, True, 0, 0.0))
+            return
+        remaining = [len(parts)]
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def run(part: slice) -> None:
+            try:
+                copy_runs.copy(dst[part], src[part], lengths[part])
+            except Exception as error:
+                with lock:
+                    errors.append(f"{type(error).__name__}: {error}")
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:  # exactly one thread reports the job, after every part has finished
+                on_done(TransferResult(job.job_id, not errors, int(lengths.sum()),
+                                       time.perf_counter() - began, errors[0] if errors else None))
+
+        for part in parts:
+            self._pool.submit(run, part)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,125 @@
+"""Transfer engine: copies blocks between the engine's KV cache and host slots.
+
+This class runs in the worker. ``submit(job)`` returns at once; ``poll()`` returns
+each finished job exactly once, with success or failure. It is thread-safe:
+submission and completion may happen on different threads, and a completion is
+never lost between calls.
+
+The device work sits behind ``DeviceCopier``: ``CpuCopier`` copies on worker
+threads, ``CudaCopier`` on pooled streams. A failure is a result (``success=False``
+with the error's text), never an exception out of ``poll``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy ``block_ids[i]`` <-> ``slot_ids[i]``; ``to_host`` is a store."""
+
+    block_ids: np.ndarray
+    slot_ids: np.ndarray
+    to_host: bool
+    job_id: int = -1  # set by submit when left at -1
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+class DeviceCopier(ABC):
+    """The device-specific half of the transfer engine."""
+
+    @abstractmethod
+    def start(self, job: TransferJob, on_done) -> None:
+        """Begin the copies of ``job`` without blocking; arrange for
+        ``on_done(result)`` to be called exactly once when they have finished,
+        or for ``poll_done`` to report them."""
+
+    def poll_done(self) -> list[TransferResult]:
+        """Results of jobs whose completion is detected by polling (CUDA events)."""
+        return []
+
+    @abstractmethod
+    def job_bytes(self, job: TransferJob) -> int: ...
+
+    def close(self) -> None:
+        return None
+
+
+class TransferEngine:
+    def __init__(self, copier: DeviceCopier):
+        self._copier = copier
+        self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._job_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._in_flight: set[int] = set()
+        self._done = threading.Condition(self._lock)
+
+    def submit(self, job: TransferJob) -> int:
+        if job.job_id < 0:
+            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids))
+        with self._lock:
+            self._in_flight.add(job.job_id)
+        try:
+            self._copier.start(job, self._complete)
+        except Exception as error:  # a failed submission is a failed job, reported once
+            self._complete(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
+        return job.job_id
+
+    def _complete(self, result: TransferResult) -> None:
+        # Runs on copy threads: the queue is the only state shared with poll().
+        self._results.put(result)
+        with self._done:
+            self._in_flight.discard(result.job_id)
+            self._done.notify_all()
+
+    def poll(self) -> list[TransferResult]:
+        for result in self._copier.poll_done():
+            self._complete(result)
+        finished = []
+        while True:
+            try:
+                finished.append(self._results.get_nowait())
+            except queue.Empty:
+                return finished
+
+    def wait(self, job_ids, timeout: float | None = None) -> bool:
+        """Block until none of ``job_ids`` is in flight; True if they all finished."""
+        job_ids = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for result in self._copier.poll_done():  # CUDA: completion is found by polling events
+                self._complete(result)
+            with self._done:
+                if not (job_ids & self._in_flight):
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._done.wait(timeout=0.001)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def close(self) -> None:
+        with self._lock:
+            pending = set(self._in_flight)
+        self.wait(pending, timeout=60)
+        self._copier.close()
+

@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+import torch
+
+from kvtier.layout import LayoutError, TensorInfo, coalesce, detect_layout
+from kvtier.worker import tensor_info
+
+NB, BS = 10, 4
+
+
+def infos(tensors):
+    return [tensor_info(t) for t in tensors]
+
+
+def test_vllm_cpu_layout_is_one_run_per_block_per_layer():
+    tensors = [torch.zeros(NB, 2, BS, 24, dtype=torch.bfloat16) for _ in range(3)]
+    layout = detect_layout(infos(tensors), NB, BS)
+    assert layout.kind == "blocks_first" and len(layout.segments) == 3
+    assert layout.slot_bytes == 3 * 2 * BS * 24 * 2
+
+
+def test_flash_attention_layout_has_k_and_v_runs():
+    tensors = [torch.zeros(2, NB, BS, 3, 8, dtype=torch.float16) for _ in range(2)]
+    layout = detect_layout(infos(tensors), NB, BS)
+    assert layout.kind == "kv_first" and len(layout.segments) == 4
+    v_segment = layout.segments[1]
+    assert v_segment.offset == NB * BS * 3 * 8 * 2
+
+
+def test_mla_and_cross_layer_layouts():
+    assert detect_layout(infos([torch.zeros(NB, BS, 7) for _ in range(2)]), NB, BS).kind == "mla"
+    cross = detect_layout(infos([torch.zeros(NB, 5, 2, BS, 8)]), NB, BS)
+    assert cross.kind == "cross_layer" and cross.num_layers == 5 and len(cross.segments) == 1
+
+
+def test_unknown_shape_is_named():
+    with pytest.raises(LayoutError, match=r"\(3, 3\)"):
+        detect_layout(infos([torch.zeros(3, 3)]), NB, BS)
+    with pytest.raises(LayoutError, match="not contiguous"):
+        detect_layout([TensorInfo((NB, 2, BS, 8), (1, 1, 1, 1), 2, 0)], NB, BS)
+
+
+def test_adjacent_runs_are_coalesced():
+    dst = np.array([0, 10, 20, 100], dtype=np.int64)
+    src = np.array([50, 60, 70, 80], dtype=np.int64)
+    lengths = np.array([10, 10, 10, 10], dtype=np.int64)
+    d, s, n = coalesce(dst, src, lengths)
+    assert d.tolist() == [0, 100] and s.tolist() == [50, 80] and n.tolist() == [30, 10]
+
+
+def test_cross_layer_consecutive_blocks_move_in_one_run():
+    tensor = torch.zeros(NB, 5, 2, BS, 8)
+    layout = detect_layout(infos([tensor]), NB, BS)
+    dst, src, lengths = layout.copy_runs([tensor.data_ptr()], 1 << 20, np.array([2, 3, 4]), np.array([0, 1, 2]), True)
+    assert len(lengths) == 1 and lengths[0] == 3 * layout.slot_bytes

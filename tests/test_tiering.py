@@ -1,0 +1,188 @@
+"""The scheduler-side manager and the worker together, as an engine drives them."""
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.entry import HEADER_BYTES
+from kvtier.manager import TierManager
+from kvtier.worker import TierWorker
+
+NB, BS = 48, 4
+RANK_FP = b"\x33" * 16
+
+
+def layouts():
+    """(name, tensors) for every supported layout, with odd byte sizes."""
+    return [
+        ("blocks_first", [torch.zeros(NB, 2, BS, 24, dtype=torch.bfloat16) for _ in range(3)]),
+        ("kv_first", [torch.zeros(2, NB, BS, 3, 5, dtype=torch.float16) for _ in range(2)]),
+        ("mla", [torch.zeros(NB, BS, 9, dtype=torch.float32) for _ in range(2)]),
+        ("cross_layer", [torch.zeros(NB, 3, 2, BS, 7, dtype=torch.bfloat16)]),
+    ]
+
+
+class Engine:
+    """Drives a TierManager and a TierWorker the way the vLLM connector does."""
+
+    def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, **config):
+        probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None}, environ={}), tensors, NB, BS, RANK_FP)
+        slot_bytes = probe.layout.slot_bytes
+        probe.close()
+        self.config = KVTierConfig.from_sources({
+            "host_bytes": host_blocks * slot_bytes, "disk_dir": disk_dir,
+            "disk_bytes": disk_blocks * (slot_bytes + HEADER_BYTES), **config}, environ={})
+        self.tensors = tensors
+        self.manager = TierManager(self.config, slot_bytes, [RANK_FP])
+        self.worker = TierWorker(self.config, tensors, NB, BS, RANK_FP)
+
+    def run(self, jobs, submit):
+        for job in jobs:
+            submit(job)
+        reports = []
+        deadline = time.monotonic() + 30
+        while len(reports) < len(jobs):
+            assert time.monotonic() < deadline, "jobs did not finish"
+            reports += self.worker.poll()
+            time.sleep(0.0005)
+        self.manager.on_reports(reports)
+        return reports
+
+    def store(self, keys, block_ids):
+        job = self.manager.plan_store("r", keys, block_ids)
+        return self.run([job], self.worker.submit_store) if job else []
+
+    def load(self, keys, block_ids):
+        job = self.manager.plan_load("r", keys, block_ids)
+        return job, self.run([job], self.worker.submit_load)[0]
+
+    def close(self):
+        self.worker.close()
+
+
+def keys_of(ids):
+    return [i.to_bytes(16, "little") for i in ids]
+
+
+def randomize(tensors):
+    for t in tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name, tensors", layouts())
+def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk_dir):
+    engine = Engine(tensors, disk_dir, host_blocks=6)
+    randomize(tensors)
+    blocks = [1, 2, 3, 17, 30, 31]
+    expected = {b: [t.view(torch.uint8).clone() for t in tensors] for b in blocks}
+    original = [t.clone() for t in tensors]
+    engine.store(keys_of(range(6)), blocks)  # written through to disk
+    engine.store(keys_of(range(100, 106)), [40, 41, 42, 43, 44, 45])  # evicts all of the first store from host
+    assert engine.manager.host.lookup(keys_of([0])) == 0 and engine.manager.disk.lookup(keys_of(range(6))) == 6
+    for t in tensors:
+        t.zero_()
+    job, report = engine.load(keys_of(range(6)), [5, 6, 7, 8, 9, 10])  # disk -> host -> other device blocks
+    assert report.success and len(job.fill_block_ids) == 6
+    for source, target in zip(blocks, [5, 6, 7, 8, 9, 10]):
+        for t, o in zip(tensors, original):
+            assert torch.equal(_block(t, target, name).view(torch.uint8), _block(o, source, name).view(torch.uint8))
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def _block(tensor, block_id, name):
+    return tensor[:, block_id] if name == "kv_first" else tensor[block_id]
+
+
+def test_corrupt_disk_entry_fails_only_its_block_and_is_forgotten(disk_dir):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=3)
+    randomize(tensors)
+    engine.store(keys_of(range(2)), [1, 2])
+    engine.store(keys_of(range(2, 3)), [3])
+    engine.store(keys_of(range(10, 12)), [4, 5])  # push the first blocks out of host
+    path = engine.worker.disk.path(keys_of([1])[0])
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 3] ^= 1
+    path.write_bytes(bytes(data))
+    job, report = engine.load(keys_of(range(3)), [20, 21, 22])
+    assert report.failed_block_ids == [21] and report.bad_keys == keys_of([1])
+    assert engine.manager.stats.bad_entries == 1
+    assert engine.manager.disk.lookup(keys_of([1])) == 0 and not path.exists()
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_verify_mode_checks_loaded_bytes(disk_dir):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, verify_loads=True)
+    randomize(tensors)
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+    _, report = engine.load(keys_of(range(4)), [10, 11, 12, 13])
+    assert report.success and engine.worker.num_verify_failures == 0
+    engine.close()
+
+
+def test_a_restart_serves_from_disk(disk_dir):
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    first = Engine(tensors, disk_dir)
+    first.store(keys_of(range(5)), [1, 2, 3, 4, 5])
+    first.close()
+    expected = [t[1:6].clone() for t in tensors]
+    fresh = [torch.zeros_like(t) for t in tensors]
+    second = Engine(fresh, disk_dir)
+    assert second.manager.lookup(keys_of(range(6))) == 5
+    _, report = second.load(keys_of(range(5)), [30, 31, 32, 33, 34])
+    assert report.success
+    assert all(torch.equal(f[30:35].view(torch.int16), e.view(torch.int16)) for f, e in zip(fresh, expected))
+    second.close()
+
+
+def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir):
+    """Many requests store and load at once; some are abandoned midway by the engine.
+
+    An abort never cancels a job in flight (its blocks stay held until it reports),
+    so afterwards every pin must be back to zero and the counters at rest.
+    """
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    engine = Engine(tensors, disk_dir, host_blocks=12, disk_blocks=40)
+    rng = random.Random(0)
+    pending_reports = 0
+    for round_ in range(30):
+        jobs = []
+        for _ in range(rng.randint(1, 6)):
+            prefix = rng.randint(0, 6)
+            keys = keys_of(range(prefix * 10, prefix * 10 + rng.randint(1, 4)))
+            blocks = rng.sample(range(NB), len(keys))
+            if rng.random() < 0.5 and engine.manager.lookup(keys) == len(keys):
+                job = engine.manager.plan_load("r", keys, blocks)
+                engine.worker.submit_load(job)
+            else:
+                job = engine.manager.plan_store("r", keys, blocks)
+                if job is None:
+                    continue
+                engine.worker.submit_store(job)
+            jobs.append(job)
+            pending_reports += 1
+        if rng.random() < 0.3:
+            continue  # "aborted" round: its jobs complete in a later poll
+        for report in engine.worker.poll():
+            pending_reports -= 1
+            engine.manager.on_reports([report])
+    deadline = time.monotonic() + 30
+    while pending_reports:
+        assert time.monotonic() < deadline
+        for report in engine.worker.poll():
+            pending_reports -= 1
+            engine.manager.on_reports([report])
+    assert engine.manager.num_pending == 0 and engine.worker.num_jobs_in_flight == 0
+    assert engine.manager.host.num_pins == 0 and engine.manager.disk._pins == {}
+    assert engine.manager.host.num_used <= engine.manager.host.num_slots
+    engine.close()

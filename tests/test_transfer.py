@@ -1,0 +1,107 @@
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.layout import detect_layout
+from kvtier.transfer.cpu import CpuCopier, split_by_bytes
+from kvtier.transfer.engine import TransferEngine, TransferJob
+from kvtier.transfer.host_buffer import allocate_host_buffer
+from kvtier.worker import tensor_info
+
+NB, BS = 64, 4
+
+
+def make_engine(num_slots=64, threads=2):
+    tensors = [torch.randint(-1000, 1000, (NB, 2, BS, 5), dtype=torch.int16) for _ in range(3)]  # 80-byte runs
+    layout = detect_layout([tensor_info(t) for t in tensors], NB, BS)
+    host = allocate_host_buffer(num_slots, layout.slot_bytes, pin=False)
+    engine = TransferEngine(CpuCopier(layout, tensors, host, threads))
+    return engine, tensors, host, layout
+
+
+def drain(engine, count):
+    results = []
+    while len(results) < count:
+        engine.wait(set(range(10**6)) - {r.job_id for r in results}, timeout=0.01)
+        results += engine.poll()
+    return results
+
+
+def test_every_job_is_reported_exactly_once_with_many_in_flight():
+    engine, tensors, _, _ = make_engine()
+    rng = np.random.default_rng(0)
+    ids = [engine.submit(TransferJob(rng.choice(NB, 8, replace=False), rng.choice(64, 8, replace=False), True))
+           for _ in range(200)]
+    results = drain(engine, 200)
+    assert sorted(r.job_id for r in results) == sorted(ids) and all(r.success for r in results)
+    assert engine.poll() == [] and engine.num_in_flight == 0
+    engine.close()
+
+
+def test_submission_from_many_threads_loses_nothing():
+    engine, *_ = make_engine()
+    rng = np.random.default_rng(1)
+    jobs = [TransferJob(rng.choice(NB, 4, replace=False), rng.choice(64, 4, replace=False), bool(i % 2))
+            for i in range(120)]
+    threads = [threading.Thread(target=lambda part=part: [engine.submit(j) for j in part])
+               for part in (jobs[0::3], jobs[1::3], jobs[2::3])]
+    for t in threads:
+        t.start()
+    collected = []
+    while len(collected) < 120:
+        collected += engine.poll()
+    for t in threads:
+        t.join()
+    assert len({r.job_id for r in collected}) == 120
+    engine.close()
+
+
+def test_a_bad_job_is_a_failed_result_not_an_exception():
+    engine, *_ = make_engine()
+    job_id = engine.submit(TransferJob(np.array([NB + 5]), np.array([0]), True))
+    (result,) = drain(engine, 1)
+    assert result.job_id == job_id and not result.success and "out of range" in result.error
+    engine.close()
+
+
+def test_store_then_load_is_byte_exact_with_scattered_ids():
+    engine, tensors, _, _ = make_engine()
+    block_ids, slot_ids = np.array([7, 3, 50, 51, 52, 9]), np.array([10, 11, 2, 3, 4, 40])
+    before = [t[block_ids].clone() for t in tensors]
+    engine.submit(TransferJob(block_ids, slot_ids, True))
+    drain(engine, 1)
+    for t in tensors:
+        t[block_ids] = 0
+    engine.submit(TransferJob(block_ids, slot_ids, False))
+    drain(engine, 1)
+    assert all(torch.equal(t[block_ids], b) for t, b in zip(tensors, before))
+    engine.close()
+
+
+def test_split_by_bytes_covers_every_run_once():
+    lengths = np.array([5, 100, 3, 3, 3, 50, 1], dtype=np.int64)
+    parts = split_by_bytes(lengths, 3)
+    assert [i for p in parts for i in range(p.start, p.stop)] == list(range(len(lengths)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copier_round_trip_on_pooled_streams():
+    from kvtier.transfer.cuda import CudaCopier
+    tensors = [torch.randn(2, NB, BS, 3, 8, device="cuda", dtype=torch.float16) for _ in range(2)]
+    layout = detect_layout([tensor_info(t) for t in tensors], NB, BS)
+    host = allocate_host_buffer(32, layout.slot_bytes, pin=True)
+    engine = TransferEngine(CudaCopier(layout, tensors, host))
+    block_ids, slot_ids = np.array([5, 6, 7, 20]), np.array([3, 4, 5, 9])
+    before = [t[:, block_ids].clone() for t in tensors]
+    engine.submit(TransferJob(block_ids, slot_ids, True))
+    drain(engine, 1)
+    for t in tensors:
+        t[:, block_ids] = 0
+    engine.submit(TransferJob(block_ids, slot_ids, False))
+    drain(engine, 1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(t[:, block_ids], b) for t, b in zip(tensors, before))
+    engine.close()
