@@ -54,12 +54,3 @@ def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_
         return "checksum mismatch"
     return None
 
-
-def header_checksum(header: bytes, fingerprint: bytes, key: bytes) -> int | None:
-    """The payload checksum a header records, if the header is this entry's."""
-    if len(header) < HEADER_BYTES:
-        return None
-    magic, version, _, entry_fingerprint, entry_key, _, entry_checksum = _HEADER.unpack_from(header)
-    if magic != MAGIC or version != FORMAT_VERSION or entry_fingerprint != fingerprint or entry_key != key:
-        return None
-    return entry_checksum

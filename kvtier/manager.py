@@ -79,7 +79,8 @@ class TierManager:
         for key in keys:
             if self.host.lookup((key,)):
                 hits += 1
-            elif self.disk is not None and disk_hits < self.host.num_available and self.disk.lookup((key,)):
+            elif (self.disk is not None and disk_hits < self.host.num_available and not self.host.contains(key)
+                  and self.disk.lookup((key,))):  # a key being written to host cannot take a second slot
                 hits += 1
                 disk_hits += 1
             else:
@@ -105,7 +106,8 @@ class TierManager:
                 ready_blocks.append(block_id)
                 ready_slots += self.host.prepare_load((key,))
                 ready_keys.append(key)
-            elif self.disk is not None and self.disk.lookup((key,)) and (plan := self.host.prepare_store((key,))):
+            elif (self.disk is not None and not self.host.contains(key) and self.disk.lookup((key,))
+                  and (plan := self.host.prepare_store((key,))) is not None):
                 self.disk.prepare_load((key,))
                 fill_blocks.append(block_id)
                 fill_slots += plan.slot_ids

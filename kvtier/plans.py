@@ -26,6 +26,11 @@ class LoadJob:
     fill_keys: list[bytes]
     missing_block_ids: list[int] = field(default_factory=list)
 
+    def __post_init__(self):
+        if not (len(self.ready_block_ids) == len(self.ready_slot_ids) == len(self.ready_keys)
+                and len(self.fill_block_ids) == len(self.fill_slot_ids) == len(self.fill_keys)):
+            raise ValueError(f"load job {self.job_id}: block, slot and key lists differ in length")
+
     @property
     def num_blocks(self) -> int:
         return len(self.ready_block_ids) + len(self.fill_block_ids) + len(self.missing_block_ids)
@@ -43,6 +48,11 @@ class StoreJob:
     keys: list[bytes]
     disk_keys: list[bytes]
     disk_slot_ids: list[int]
+
+    def __post_init__(self):
+        if not (len(self.block_ids) == len(self.slot_ids) == len(self.keys)
+                and len(self.disk_keys) == len(self.disk_slot_ids)):
+            raise ValueError(f"store job {self.job_id}: block, slot and key lists differ in length")
 
 
 @dataclass

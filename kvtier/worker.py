@@ -86,7 +86,7 @@ class TierWorker:
         self._job_of_transfer: dict[int, tuple[bool, int]] = {}  # transfer id -> (is_load, job id)
         self._lock = threading.Lock()  # guards _job_of_transfer: loads submit their copy from I/O threads
         self._transfer_ids = itertools.count()
-        self._checksums: dict[bytes, int] = {}  # verify_loads: checksum of each stored block's bytes
+        self._slot_checksums: dict[int, int] = {}  # verify_loads: checksum of the bytes each slot received
         self.num_verify_failures = 0
 
     # --- submission ---------------------------------------------------------
@@ -107,6 +107,8 @@ class TierWorker:
 
         def fill(block_id: int, slot_id: int, key: bytes) -> None:
             why = self.disk.read_into(key, memoryview(self._host_slots[slot_id]))
+            if why is None and self.config.verify_loads:
+                self._slot_checksums[slot_id] = checksum(self._host_slots[slot_id])
             with fill_lock:
                 if why is None:
                     load.usable_block_ids.append(block_id)
@@ -181,8 +183,8 @@ class TierWorker:
             store.reportable = True
             return
         if self.config.verify_loads:
-            for key, slot in zip(store.job.keys, store.job.slot_ids):
-                self._checksums[key] = checksum(self._host_slots[slot])
+            for slot in store.job.slot_ids:
+                self._slot_checksums[slot] = checksum(self._host_slots[slot])
         if store.job.disk_keys:
             self._write_through(store)
         else:
@@ -214,15 +216,16 @@ class TierWorker:
             self._io.submit(write, key, slot_id)
 
     def _verify(self, load: _Load) -> None:
-        """Test mode: read the loaded device blocks back and compare checksums."""
+        """Test mode: read the loaded device blocks back and compare them with the
+        bytes their host slot received (from the device or from a disk entry)."""
+        if self.device_is_cuda:
+            return
         from kvtier._native import copy_runs
         scratch = np.empty((1, self.layout.slot_bytes), np.uint8)
         addresses = [t.data_ptr() for t in self.tensors]
-        for block_id, key in zip(load.usable_block_ids, load.usable_keys):
-            expected = self._checksums.get(key)
-            if expected is None and self.disk is not None:
-                expected = self.disk.stored_checksum(key)
-            if expected is None or self.device_is_cuda:
+        for block_id, slot_id, key in zip(load.usable_block_ids, load.usable_slot_ids, load.usable_keys):
+            expected = self._slot_checksums.get(slot_id)
+            if expected is None:
                 continue
             dst, src, lengths = self.layout.copy_runs(addresses, scratch.ctypes.data, np.array([block_id]),
                                                       np.array([0]), to_host=True)

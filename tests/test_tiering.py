@@ -186,3 +186,23 @@ def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir):
     assert engine.manager.host.num_pins == 0 and engine.manager.disk._pins == {}
     assert engine.manager.host.num_used <= engine.manager.host.num_slots
     engine.close()
+
+
+def test_a_disk_hit_being_rewritten_to_host_is_not_loaded_twice(disk_dir):
+    """A key on disk that another request is storing into host again is no hit:
+    it cannot take a second host slot, and its slot is not readable yet."""
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    engine = Engine(tensors, disk_dir, host_blocks=2)
+    engine.store(keys_of([1]), [1])
+    engine.store(keys_of([2, 3]), [2, 3])  # key 1 is now on disk only
+    in_flight = engine.manager.plan_store("other", keys_of([1]), [9])  # being written to host again
+    assert engine.manager.lookup(keys_of([1])) == 0
+    job = engine.manager.plan_load("r", keys_of([1]), [20])
+    assert job.missing_block_ids == [20] and not job.fill_block_ids
+    engine.run([in_flight], engine.worker.submit_store)
+    _, report = engine.load(keys_of([1]), [21])
+    assert report.success
+    engine.run([job], engine.worker.submit_load)  # the all-missing job still reports, and releases nothing it lacks
+    assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0
+    engine.close()

