@@ -183,7 +183,7 @@ def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir):
             pending_reports -= 1
             engine.manager.on_reports([report])
     assert engine.manager.num_pending == 0 and engine.worker.num_jobs_in_flight == 0
-    assert engine.manager.host.num_pins == 0 and engine.manager.disk._pins == {}
+    assert engine.manager.host.num_pins == 0 and engine.manager.disk.num_pins == 0
     assert engine.manager.host.num_used <= engine.manager.host.num_slots
     engine.close()
 

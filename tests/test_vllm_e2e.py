@@ -9,6 +9,7 @@ import json
 import os
 import random
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -18,12 +19,13 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
+ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16}
 
 
 def run_app(tmp_path, name, spec, expect_failure=False):
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.vllm_app", str(spec_path), str(out_path)], cwd=ROOT,
+    spec_path.write_text(json.dumps({"engine": ENGINE, **spec}))
+    proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if expect_failure:
         assert proc.returncode != 0, "vLLM started although the configuration is invalid"
@@ -58,7 +60,7 @@ def workload():
 def reference(workdir, model):
     """The same requests with no connector and no prefix cache: everything recomputed."""
     return run_app(workdir, "reference", {"model": model, "phases": [
-        {"prompts": [long_prompt()]}, {"prompts": workload()}]})
+        {"prompts": [long_prompt()]}, {"prompts": workload(), "mode": "concurrent"}]})
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,8 @@ def first_process(workdir, model):
     return run_app(workdir, "first", {"model": model, "connector": "kvtier", "extra": extra, "phases": [
         {"prompts": [long_prompt()]},
         {"prompts": [long_prompt()]},
-        {"prompts": workload(), "abort_probability": 0.05, "seed": 1},
-        {"prompts": workload(), "abort_probability": 0.05, "seed": 2},
+        {"prompts": workload(), "mode": "concurrent", "abort_probability": 0.05, "seed": 1},
+        {"prompts": workload(), "mode": "concurrent", "abort_probability": 0.05, "seed": 2},
     ]})
 
 
@@ -146,3 +148,38 @@ def test_an_invalid_configuration_fails_at_start_up_naming_the_key(workdir, mode
     output = run_app(workdir, "invalid", {"model": model, "connector": "kvtier", "extra": {"host_byte": "1GiB"},
                                           "phases": []}, expect_failure=True)
     assert "unknown key 'host_byte'" in output and "did you mean 'host_bytes'" in output
+
+
+def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
+    """``vllm serve`` with kvtier (engine in its own process): hits show on /metrics."""
+    from kvtier.demo.model import make_model, words
+    from tests.e2e.servers import http_json, http_text, vllm_server
+
+    model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2))
+    config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"host_bytes": "64MiB",
+                                                                   "disk_dir": str(workdir / "serve_disk")}}
+    with vllm_server(model, config, workdir / "serve.log") as url:
+        request = {"model": model, "prompt": words(long_prompt()), "max_tokens": 3, "temperature": 0}
+        first = http_json(url + "/v1/completions", request)
+        second = http_json(url + "/v1/completions", request)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        deadline = time.monotonic() + 30
+        while True:  # stats reach the front end at its next logging interval
+            metrics = _prometheus_values(http_text(url + "/metrics"))
+            if metrics.get("vllm:kvtier_hit_tokens_host_total", 0) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert metrics["vllm:kvtier_hit_tokens_host_total"] == (1000 // BLOCK) * BLOCK
+    assert metrics["vllm:kvtier_store_bytes_total"] > 0 and metrics["vllm:kvtier_load_bytes_total"] > 0
+    assert metrics["vllm:kvtier_miss_tokens_total"] >= 1000
+    assert metrics["vllm:kvtier_host_slots"] > 0
+
+
+def _prometheus_values(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvtier_"):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0) + value
+    return values

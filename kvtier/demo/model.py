@@ -29,5 +29,22 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(vocab_size).save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path
+
+
+def make_tokenizer(vocab_size: int):
+    """A word-level tokenizer: token i is the word ``w<i>`` (ids 0-2 are special)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def words(token_ids) -> str:
+    """The text that the generated tokenizer turns into exactly ``token_ids``."""
+    return " ".join(f"w{t}" for t in token_ids)

@@ -86,6 +86,10 @@ class DiskIndex:
             self._evict_one()
 
     @property
+    def num_pins(self) -> int:
+        return sum(self._pins.values())
+
+    @property
     def num_entries(self) -> int:
         return len(self._ready) + len(self._writing)
 

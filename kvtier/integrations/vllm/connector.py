@@ -92,6 +92,21 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side.request_finished(request, block_ids)
 
+    def get_kv_connector_stats(self):
+        if self._scheduler_side is None:
+            return None  # the scheduler side counts everything, from the workers' reports
+        return self._scheduler_side.collect_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from kvtier.integrations.vllm.metrics import KVTierStats
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from kvtier.integrations.vllm.metrics import KVTierPromMetrics
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until every job has been reported: the reports
         # release pins, and stores are durable only once reported.

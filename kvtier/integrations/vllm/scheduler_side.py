@@ -15,6 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metrics import StatsTracker
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.keys import block_keys
 from kvtier.manager import TierManager
@@ -42,12 +43,14 @@ class SchedulerSide:
         rank_fingerprints = [geometry.namespace.for_rank(r).fingerprint() for r in range(geometry.tp_size)]
         self.manager = TierManager(config, geometry.slot_bytes, rank_fingerprints, geometry.tp_rank_count)
         self._requests: dict[str, _RequestState] = {}
-        self._lookups: dict[str, int] = {}  # req_id -> tokens that the last lookup found in the tiers
+        self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._new_loads = []
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
         self.hit_tokens = {"host": 0, "disk": 0}
+        self.miss_tokens = 0
+        self._stats = StatsTracker()
 
     # --- keys ---------------------------------------------------------------
     def _state(self, request) -> _RequestState:
@@ -98,18 +101,21 @@ class SchedulerSide:
             if partial is not None and self.manager.lookup([partial]):
                 hit_tokens = num_tokens
         num_external = hit_tokens - num_computed_tokens
+        self._lookups[request.request_id] = num_computed_tokens
         if num_external <= 0:
             return 0, False
-        self._lookups[request.request_id] = hit_tokens
         return num_external, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
-        hit_tokens = self._lookups.pop(request.request_id, 0)
+        if request.request_id not in self._lookups:
+            return  # the second call, after a load: only the block list changed
+        first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
+        hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
+        self.miss_tokens += request.num_tokens - hit_tokens
         if num_external_tokens == 0:
             return
-        first_token = hit_tokens - num_external_tokens
         first_block = first_token // self.block_size
         keys = self._full_keys(state, hit_tokens)[first_block:]
         if hit_tokens % self.block_size:
@@ -184,6 +190,13 @@ class SchedulerSide:
             state = self._requests.get(req_id) if req_id is not None else None
             if state is not None:
                 state.store_job_ids.discard(job_id)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)
+
+    def collect_stats(self):
+        return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens)
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)

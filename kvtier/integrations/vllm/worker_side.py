@@ -83,6 +83,10 @@ class WorkerSide:
             del self._send_waits[req_id]
         return finished_sending, finished_recving
 
+    @property
+    def num_send_waits(self) -> int:
+        return len(self._send_waits)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_error_block_ids = self._load_error_block_ids, set()
         return errors

@@ -1,0 +1,146 @@
+"""Runs vLLM in this process on a JSON spec of phases and writes a JSON result.
+
+``python -m kvtier.demo.runner SPEC.json OUT.json``. The demo, the benchmarks and the
+end-to-end tests each run their engines through this, one process per engine, so
+that a "restart" is a real new process.
+
+A spec: ``{"model", "connector": "kvtier"|"example"|null, "extra": {...},
+"engine": {make_llm keyword arguments}, "phases": [{"name", "mode":
+"sequential"|"concurrent", "prompts": [[token ids]], "max_tokens", ...}]}``.
+Sequential phases time each request's first token; concurrent phases submit all
+requests at once and may abort some at random.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs here, so kvtier's state can be read
+
+
+def _output_record(out) -> dict:
+    completion = out.outputs[0]
+    logprobs = completion.logprobs
+    return {
+        "tokens": list(completion.token_ids),
+        "cached": out.num_cached_tokens,
+        "first_logprob": next(iter(logprobs[0].values())).logprob if logprobs else None,
+    }
+
+
+def run_sequential(engine, prompts, params, on_request=None) -> dict:
+    outputs, ttfts = {}, []
+    for i, prompt in enumerate(prompts):
+        request_id = str(i)
+        began = time.perf_counter()
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        first_token = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first_token is None and out.outputs and out.outputs[0].token_ids:
+                    first_token = time.perf_counter() - began
+                if out.finished:
+                    outputs[request_id] = _output_record(out)
+        ttfts.append(first_token)
+        if on_request:
+            on_request()
+    return {"outputs": outputs, "ttft_s": ttfts}
+
+
+def run_concurrent(engine, prompts, params, abort_probability: float, seed: int) -> dict:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    rng = random.Random(seed)
+    outputs, aborted = {}, []
+    began = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                outputs[out.request_id] = _output_record(out)
+        if abort_probability and rng.random() < abort_probability:
+            running = [str(i) for i in range(len(prompts)) if str(i) not in outputs and str(i) not in aborted]
+            if running:
+                victim = rng.choice(running)
+                engine.abort_request([victim])
+                aborted.append(victim)
+    return {"outputs": outputs, "aborted": aborted, "seconds": time.perf_counter() - began}
+
+
+def kvtier_state(llm) -> dict:
+    """Counters and resting-state figures of kvtier inside this engine."""
+    from kvtier.demo.engine import kvtier_sides
+
+    scheduler, worker = kvtier_sides(llm)
+    manager = scheduler.manager
+    return {
+        "hit_tokens_host": scheduler.hit_tokens["host"],
+        "hit_tokens_disk": scheduler.hit_tokens["disk"],
+        "miss_tokens": scheduler.miss_tokens,
+        "host_pins": manager.host.num_pins,
+        "host_used": manager.host.num_used,
+        "host_slots": manager.host.num_slots,
+        "host_evictions": manager.host.num_evictions,
+        "disk_pins": manager.disk.num_pins if manager.disk else 0,
+        "pending_jobs": manager.num_pending,
+        "worker_jobs_in_flight": worker.tier_worker.num_jobs_in_flight,
+        "transfers_in_flight": worker.tier_worker.transfers.num_in_flight,
+        "open_send_waits": worker.num_send_waits,
+        "tracked_requests": scheduler.num_tracked_requests,
+        "verify_failures": worker.tier_worker.num_verify_failures,
+        "stats": vars(manager.stats).copy(),
+    }
+
+
+def drain(llm, timeout: float = 60.0) -> None:
+    """Step the engine until no connector work is in flight, as vLLM's busy loop does."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        core.step()
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import SamplingParams
+
+    from kvtier.demo.engine import make_llm
+
+    spec = json.load(open(spec_path))
+    began = time.perf_counter()
+    llm = make_llm(spec["model"], spec.get("connector"), spec.get("extra"), **spec.get("engine", {}))
+    result = {"startup_s": time.perf_counter() - began, "phases": []}
+    engine = llm.llm_engine
+    for phase in spec["phases"]:
+        params = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, ignore_eos=True, logprobs=1)
+        before = kvtier_state(llm) if spec.get("connector") == "kvtier" else None
+        if phase.get("mode", "sequential") == "sequential":
+            record = run_sequential(engine, phase["prompts"], params, on_request=_progress_printer(phase))
+        else:
+            record = run_concurrent(engine, phase["prompts"], params, phase.get("abort_probability", 0.0),
+                                    phase.get("seed", 0))
+        drain(llm)
+        record["name"] = phase.get("name", "")
+        if before is not None:
+            after = kvtier_state(llm)
+            record["kvtier_delta"] = {
+                key: after[key] - before[key] for key in ("hit_tokens_host", "hit_tokens_disk", "miss_tokens")}
+            record["kvtier_delta"].update({f"{key}": after["stats"][key] - before["stats"][key]
+                                           for key in ("load_bytes", "store_bytes", "loaded_blocks", "stored_blocks")})
+        result["phases"].append(record)
+    if spec.get("connector") == "kvtier":
+        result["kvtier"] = kvtier_state(llm)
+    json.dump(result, open(out_path, "w"))
+
+
+def _progress_printer(phase):
+    # One line per request on stdout, read by the demo's progress bar.
+    def tick():
+        print(f"kvtier-progress {phase.get('name', '')}", flush=True)
+    return tick
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,70 @@
+"""Real server processes on loopback for the end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> dict:
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def http_text(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, kv_transfer_config: dict | None, log_path, port: int | None = None,
+                extra_args: tuple[str, ...] = (), env: dict | None = None, startup_timeout: float = 300):
+    """``vllm serve`` on 127.0.0.1; yields its base URL and stops it on exit."""
+    port = port or free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
+            "--gpu-memory-utilization", "0.3", "--dtype", "float32", "--no-enable-prefix-caching",
+            "--max-num-seqs", "16", *extra_args]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vllm serve did not start in {startup_timeout} s; see {log_path}")
+                time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
