@@ -13,8 +13,8 @@ so its key can never equal a full block's key. Writer and reader both call
 Tensor-parallel ranks each hold a shard of a block. The scheduler keys blocks
 with the namespace fingerprint (which includes the world size, not the rank); each
 rank stores its shard under the same key but in a place named by its own rank's
-fingerprint (``Namespace.for_rank``), and stamps the entry with that fingerprint,
-so ranks never read each other's shards.
+fingerprint (``Namespace.for_rank``: rank and device layout), and stamps the entry
+with that fingerprint, so ranks and layouts never read each other's bytes.
 """
 
 from __future__ import annotations
@@ -45,14 +45,16 @@ class Namespace:
     block_size: int
     tp_size: int = 1
     tp_rank: int | None = None  # None: the scheduler's view, shared by all ranks
+    device_layout: str = ""  # a rank's KV layout and per-block shape; "" in the scheduler's view
     format_version: int = FORMAT_VERSION
 
     def fingerprint(self) -> bytes:
         encoded = msgspec.msgpack.encode(astuple(self))
         return blake3.blake3(b"kvtier-namespace" + encoded).digest(length=KEY_BYTES)
 
-    def for_rank(self, rank: int) -> "Namespace":
-        return replace(self, tp_rank=rank)
+    def for_rank(self, rank: int, device_layout: str = "") -> "Namespace":
+        """The namespace of one rank's stored entries: its rank and its device layout."""
+        return replace(self, tp_rank=rank, device_layout=device_layout)
 
 
 def _extra_bytes(extra_keys: Sequence[str | bytes | int]) -> bytes:

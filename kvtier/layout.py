@@ -9,13 +9,18 @@ A host slot holds one block for all layers: the segments of every tensor, one
 after the other, ``slot_bytes`` in all.
 
 Supported layouts (``KVLayout.kind``):
-- ``blocks_first``: ``[num_blocks, 2, block_size, heads * head_size]`` (vLLM CPU) or
-  ``[num_blocks, 2, block_size, heads, head_size]`` (FlashInfer): one run per block.
+- ``blocks_first``: any ``[num_blocks, ...]`` tensor whose blocks are contiguous, as
+  vLLM CPU's ``[num_blocks, kv_heads, block_size, 2 * head_size]`` or FlashInfer's
+  ``[num_blocks, 2, block_size, heads, head_size]``: one run per block.
 - ``kv_first``: ``[2, num_blocks, block_size, heads, head_size]`` (vLLM CUDA
   FlashAttention): K and V are two runs.
 - ``mla``: ``[num_blocks, block_size, latent_size]``: one run.
 - ``cross_layer``: one tensor ``[num_blocks, num_layers, ...]`` where one block holds
-  all layers: one run.
+  all layers: one run. It cannot be told from a one-layer model by its shape, so
+  it is named explicitly.
+
+The bytes of a slot follow the device layout, so entries written under one layout
+are not readable under another: the layout is part of every rank's fingerprint.
 """
 
 from __future__ import annotations
@@ -147,19 +152,21 @@ def detect_layout(
 
 
 def _guess_kind(shape: tuple[int, ...], num_blocks: int, block_size: int, num_tensors: int) -> str:
-    blocks_first = len(shape) >= 4 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
-    kv_first = len(shape) >= 4 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
-    mla = len(shape) == 3 and shape[0] == num_blocks and shape[1] == block_size
-    cross_layer = num_tensors == 1 and len(shape) >= 4 and shape[0] == num_blocks and not blocks_first
-    matches = [name for name, hit in (("blocks_first", blocks_first), ("kv_first", kv_first),
-                                      ("mla", mla), ("cross_layer", cross_layer)) if hit]
-    if len(matches) == 1:
-        return matches[0]
-    reason = "matches several layouts " + ", ".join(matches) if matches else "matches no known layout"
+    kv_first = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
+    blocks_first = len(shape) >= 2 and shape[0] == num_blocks
+    if kv_first and blocks_first:
+        raise LayoutError(f"KV cache shape {shape} is ambiguous with num_blocks={num_blocks}: both "
+                          f"[2, num_blocks, ...] and [num_blocks, ...] fit; pass the layout kind explicitly")
+    if kv_first:
+        return "kv_first"
+    if blocks_first:
+        return "mla" if len(shape) == 3 and shape[1] == block_size else "blocks_first"
     raise LayoutError(
-        f"KV cache shape {shape} (num_blocks={num_blocks}, block_size={block_size}) {reason}; "
-        f"known: [num_blocks, 2, block_size, ...] (blocks_first), [2, num_blocks, block_size, ...] (kv_first), "
-        f"[num_blocks, block_size, latent] (mla), one [num_blocks, num_layers, ...] tensor (cross_layer)")
+        f"KV cache shape {shape} (num_blocks={num_blocks}, block_size={block_size}) matches no known layout; "
+        f"known: [num_blocks, ...] with each block contiguous (blocks_first: vLLM CPU "
+        f"[num_blocks, kv_heads, block_size, 2 * head_size], FlashInfer [num_blocks, 2, block_size, heads, head_size]; "
+        f"mla: [num_blocks, block_size, latent]), [2, num_blocks, ...] (kv_first: FlashAttention), and one "
+        f"[num_blocks, num_layers, ...] tensor named explicitly (cross_layer)")
 
 
 def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

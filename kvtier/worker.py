@@ -27,6 +27,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.entry import checksum
+from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, TensorInfo, detect_layout
 from kvtier.manager import num_host_slots
 from kvtier.plans import JobReport, LoadJob, StoreJob
@@ -60,11 +61,13 @@ class _Store:
 
 class TierWorker:
     def __init__(self, config: KVTierConfig, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                 rank_fingerprint: bytes, layout_kind: str | None = None):
+                 namespace: Namespace, tp_rank: int = 0, layout_kind: str | None = None):
         self.config = config
         self.tensors = list(tensors)  # kept alive: copies use their addresses
         self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
                                               layout_kind)
+        device_layout = f"{self.layout.kind}{list(self.layout.block_shape)}{self.tensors[0].dtype}"
+        self.rank_fingerprint = namespace.for_rank(tp_rank, device_layout).fingerprint()
         self.num_slots = num_host_slots(config.host_bytes, self.layout.slot_bytes)
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
@@ -78,7 +81,7 @@ class TierWorker:
             from kvtier.transfer.cpu import CpuCopier
             copier = CpuCopier(self.layout, self.tensors, self.host_buffer, config.copy_threads)
         self.transfers = TransferEngine(copier)
-        self.disk = DiskStore(config.disk_dir, rank_fingerprint, self.layout.slot_bytes) if config.disk_dir else None
+        self.disk = DiskStore(config.disk_dir, self.rank_fingerprint, self.layout.slot_bytes) if config.disk_dir else None
         self._io = ThreadPoolExecutor(config.disk_io_threads, thread_name_prefix="kvtier-io")
         self._io_done: queue.SimpleQueue = queue.SimpleQueue()  # finished disk writes, from I/O threads
         self._loads: dict[int, _Load] = {}

@@ -12,11 +12,13 @@ def infos(tensors):
     return [tensor_info(t) for t in tensors]
 
 
-def test_vllm_cpu_layout_is_one_run_per_block_per_layer():
-    tensors = [torch.zeros(NB, 2, BS, 24, dtype=torch.bfloat16) for _ in range(3)]
+@pytest.mark.parametrize("shape", [(NB, 4, BS, 2 * 16), (NB, 1, BS, 2 * 16), (NB, 2, BS, 3, 8)])
+def test_vllm_cpu_and_flashinfer_layouts_are_one_run_per_block_per_layer(shape):
+    # vLLM CPU: [num_blocks, kv_heads, block_size, 2 * head_size]; FlashInfer: [num_blocks, 2, block_size, h, d]
+    tensors = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3)]
     layout = detect_layout(infos(tensors), NB, BS)
     assert layout.kind == "blocks_first" and len(layout.segments) == 3
-    assert layout.slot_bytes == 3 * 2 * BS * 24 * 2
+    assert layout.slot_bytes == 3 * (torch.zeros(shape)[0].numel()) * 2
 
 
 def test_flash_attention_layout_has_k_and_v_runs():
@@ -29,13 +31,15 @@ def test_flash_attention_layout_has_k_and_v_runs():
 
 def test_mla_and_cross_layer_layouts():
     assert detect_layout(infos([torch.zeros(NB, BS, 7) for _ in range(2)]), NB, BS).kind == "mla"
-    cross = detect_layout(infos([torch.zeros(NB, 5, 2, BS, 8)]), NB, BS)
+    cross = detect_layout(infos([torch.zeros(NB, 5, 2, BS, 8)]), NB, BS, kind="cross_layer")
     assert cross.kind == "cross_layer" and cross.num_layers == 5 and len(cross.segments) == 1
 
 
 def test_unknown_shape_is_named():
     with pytest.raises(LayoutError, match=r"\(3, 3\)"):
         detect_layout(infos([torch.zeros(3, 3)]), NB, BS)
+    with pytest.raises(LayoutError, match="ambiguous"):
+        detect_layout(infos([torch.zeros(2, 2, BS, 8)]), 2, BS)
     with pytest.raises(LayoutError, match="not contiguous"):
         detect_layout([TensorInfo((NB, 2, BS, 8), (1, 1, 1, 1), 2, 0)], NB, BS)
 
@@ -50,6 +54,6 @@ def test_adjacent_runs_are_coalesced():
 
 def test_cross_layer_consecutive_blocks_move_in_one_run():
     tensor = torch.zeros(NB, 5, 2, BS, 8)
-    layout = detect_layout(infos([tensor]), NB, BS)
+    layout = detect_layout(infos([tensor]), NB, BS, kind="cross_layer")
     dst, src, lengths = layout.copy_runs([tensor.data_ptr()], 1 << 20, np.array([2, 3, 4]), np.array([0, 1, 2]), True)
     assert len(lengths) == 1 and lengths[0] == 3 * layout.slot_bytes

@@ -10,36 +10,38 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.entry import HEADER_BYTES
+from kvtier.keys import Namespace
 from kvtier.manager import TierManager
 from kvtier.worker import TierWorker
 
 NB, BS = 48, 4
-RANK_FP = b"\x33" * 16
+NAMESPACE = Namespace("test-model", "mixed", "kv", (1,), 3, BS)
 
 
 def layouts():
     """(name, tensors) for every supported layout, with odd byte sizes."""
     return [
-        ("blocks_first", [torch.zeros(NB, 2, BS, 24, dtype=torch.bfloat16) for _ in range(3)]),
+        ("blocks_first", [torch.zeros(NB, 4, BS, 2 * 24, dtype=torch.bfloat16) for _ in range(3)]),
         ("kv_first", [torch.zeros(2, NB, BS, 3, 5, dtype=torch.float16) for _ in range(2)]),
         ("mla", [torch.zeros(NB, BS, 9, dtype=torch.float32) for _ in range(2)]),
-        ("cross_layer", [torch.zeros(NB, 3, 2, BS, 7, dtype=torch.bfloat16)]),
+        ("cross_layer", [torch.zeros(NB, 3, 2, BS, 7, dtype=torch.bfloat16)]),  # named explicitly
     ]
 
 
 class Engine:
     """Drives a TierManager and a TierWorker the way the vLLM connector does."""
 
-    def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, **config):
-        probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None}, environ={}), tensors, NB, BS, RANK_FP)
-        slot_bytes = probe.layout.slot_bytes
+    def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, kind=None, **config):
+        probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None}, environ={}), tensors, NB, BS, NAMESPACE,
+                           layout_kind=kind)
+        slot_bytes, rank_fingerprint = probe.layout.slot_bytes, probe.rank_fingerprint
         probe.close()
         self.config = KVTierConfig.from_sources({
             "host_bytes": host_blocks * slot_bytes, "disk_dir": disk_dir,
             "disk_bytes": disk_blocks * (slot_bytes + HEADER_BYTES), **config}, environ={})
         self.tensors = tensors
-        self.manager = TierManager(self.config, slot_bytes, [RANK_FP])
-        self.worker = TierWorker(self.config, tensors, NB, BS, RANK_FP)
+        self.manager = TierManager(self.config, slot_bytes, [rank_fingerprint])
+        self.worker = TierWorker(self.config, tensors, NB, BS, NAMESPACE, layout_kind=kind)
 
     def run(self, jobs, submit):
         for job in jobs:
@@ -76,7 +78,7 @@ def randomize(tensors):
 
 @pytest.mark.parametrize("name, tensors", layouts())
 def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk_dir):
-    engine = Engine(tensors, disk_dir, host_blocks=6)
+    engine = Engine(tensors, disk_dir, host_blocks=6, kind="cross_layer" if name == "cross_layer" else None)
     randomize(tensors)
     blocks = [1, 2, 3, 17, 30, 31]
     expected = {b: [t.view(torch.uint8).clone() for t in tensors] for b in blocks}

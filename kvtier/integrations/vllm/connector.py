@@ -58,6 +58,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if isinstance(kv_connector_metadata, KVTierMetadata):
             self._worker_side.handle_preemptions(kv_connector_metadata)
 
+    def get_handshake_metadata(self):
+        return self._worker_side.handshake() if self._worker_side is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        self._scheduler_side.on_handshake(metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side.get_finished(finished_req_ids)
 
@@ -110,4 +116,4 @@ class KVTierConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until every job has been reported: the reports
         # release pins, and stores are durable only once reported.
-        return self._scheduler_side.manager.num_pending > 0
+        return self._scheduler_side.num_pending_jobs > 0

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvtier.plans import JobReport, LoadJob, StoreJob
 
@@ -30,3 +34,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(self.reports + other.reports)
+
+
+@dataclass
+class KVTierHandshake(KVConnectorHandshakeMetadata):
+    """Each worker -> the scheduler, once at start-up, after the KV caches exist."""
+
+    tp_rank: int
+    rank_fingerprint: bytes  # names this rank's entries: rank, device layout, model, ...
+    slot_bytes: int
+    layout: str

@@ -40,8 +40,8 @@ class SchedulerSide:
         self.geometry = geometry
         self.block_size = geometry.block_size
         self.fingerprint = geometry.namespace.fingerprint()
-        rank_fingerprints = [geometry.namespace.for_rank(r).fingerprint() for r in range(geometry.tp_size)]
-        self.manager = TierManager(config, geometry.slot_bytes, rank_fingerprints, geometry.tp_rank_count)
+        # Built when every rank has announced its layout (vLLM's start-up handshake).
+        self.manager: TierManager | None = None
         self._requests: dict[str, _RequestState] = {}
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._new_loads = []
@@ -51,6 +51,23 @@ class SchedulerSide:
         self.hit_tokens = {"host": 0, "disk": 0}
         self.miss_tokens = 0
         self._stats = StatsTracker()
+
+    def on_handshake(self, metadata: dict) -> None:
+        """Every worker's ``KVTierHandshake``, keyed by tensor-parallel rank."""
+        ranks = sorted(metadata)
+        if ranks != list(range(self.geometry.tp_size)):
+            raise ValueError(f"kvtier: expected a handshake from ranks 0..{self.geometry.tp_size - 1}, got {ranks}")
+        sizes = {metadata[r].slot_bytes for r in ranks}
+        if sizes != {self.geometry.slot_bytes}:
+            raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {self.geometry.slot_bytes}")
+        self.manager = TierManager(self.config, self.geometry.slot_bytes,
+                                   [metadata[r].rank_fingerprint for r in ranks], self.geometry.tp_rank_count)
+        logger.info("kvtier: %d host slots, disk %s, layout %s", self.manager.host.num_slots,
+                    self.config.disk_dir or "off", metadata[0].layout)
+
+    @property
+    def num_pending_jobs(self) -> int:
+        return self.manager.num_pending if self.manager is not None else 0
 
     # --- keys ---------------------------------------------------------------
     def _state(self, request) -> _RequestState:
@@ -88,7 +105,7 @@ class SchedulerSide:
 
     # --- vLLM scheduler hooks -------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._unsupported(request):
+        if self.manager is None or self._unsupported(request):
             return 0, False
         state = self._state(request)
         num_tokens = request.num_tokens
@@ -152,7 +169,7 @@ class SchedulerSide:
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None or self._unsupported(state.request):
+            if state is None or self.manager is None or self._unsupported(state.request):
                 continue
             store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits)
@@ -183,7 +200,7 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, KVTierWorkerMetadata):
+        if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
         for job_id in self.manager.on_reports(meta.reports):
             req_id = self._store_job_owner.pop(job_id, None)
@@ -196,12 +213,14 @@ class SchedulerSide:
         return len(self._requests)
 
     def collect_stats(self):
+        if self.manager is None:
+            return None
         return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens)
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        if state is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
         pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
         if not pending:

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.worker import TierWorker
 
@@ -25,7 +25,7 @@ class WorkerSide:
     def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int):
         self.config = config
         self.geometry = geometry
-        self.rank_fingerprint = geometry.namespace.for_rank(tp_rank).fingerprint()
+        self.tp_rank = tp_rank
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
@@ -39,13 +39,18 @@ class WorkerSide:
             raise ValueError(f"kvtier: vLLM gave no KV cache for layers {missing[:4]}")
         tensors = [kv_caches[name] for name in self.geometry.layer_names]
         self.tier_worker = TierWorker(self.config, tensors, self.geometry.num_blocks, self.geometry.block_size,
-                                      self.rank_fingerprint)
+                                      self.geometry.namespace, self.tp_rank)
         if self.tier_worker.layout.slot_bytes != self.geometry.slot_bytes:
             raise ValueError(f"kvtier: KV cache layout {self.tier_worker.layout.kind} holds "
                              f"{self.tier_worker.layout.slot_bytes} bytes per block, vLLM's spec says "
                              f"{self.geometry.slot_bytes}")
         logger.info("kvtier: %s layout, %d layers, %d host slots of %d bytes", self.tier_worker.layout.kind,
                     len(tensors), self.tier_worker.num_slots, self.tier_worker.layout.slot_bytes)
+
+    def handshake(self) -> KVTierHandshake:
+        layout = self.tier_worker.layout
+        return KVTierHandshake(self.tp_rank, self.tier_worker.rank_fingerprint, layout.slot_bytes,
+                               f"{layout.kind} {list(layout.block_shape)}")
 
     def _new_jobs(self, jobs):
         for job in jobs:

@@ -1,0 +1,65 @@
+"""Mooncake Store backend of the remote tier (``mooncake://``).
+
+``mooncake://<master host>:<rpc port>?metadata=<metadata URL>&protocol=tcp&segment=<bytes>``
+(``protocol`` defaults to tcp, ``rdma`` where the deployment has it;
+``segment`` is the memory this client contributes to the pool, default 256 MiB;
+``local_host`` is this client's address, default 127.0.0.1).
+
+Zero-copy: the host pool and its header area are registered with the client, and
+entries move with the batch calls that write from and read into them
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+from urllib.parse import parse_qs, urlparse
+
+from kvtier.config import parse_bytes
+from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class MooncakeStore(RemoteStore):
+    def __init__(self, url: str, timeout_s: float):
+        from mooncake.store import MooncakeDistributedStore
+
+        parsed = urlparse(url)
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        self._store = MooncakeDistributedStore()
+        code = self._store.setup(
+            query.get("local_host", "127.0.0.1"), query["metadata"],
+            parse_bytes(query.get("segment", "256MiB")), parse_bytes(query.get("buffer", "64MiB")),
+            query.get("protocol", "tcp"), query.get("device", ""), f"{parsed.hostname}:{parsed.port or 50051}")
+        if code != 0:
+            raise RemoteUnavailable(f"mooncake setup returned {code}")
+
+    def register(self, address: int, num_bytes: int) -> None:
+        code = self._store.register_buffer(address, num_bytes)
+        if code != 0:
+            raise RemoteUnavailable(f"mooncake register_buffer returned {code}")
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        codes = self._store.batch_is_exist(list(names))
+        if any(code < 0 for code in codes):
+            raise RemoteUnavailable("mooncake batch_is_exist failed")
+        return [code == 1 for code in codes]
+
+    def put(self, names, headers, payloads) -> list[bool]:
+        pointers = [[_address(h), _address(p)] for h, p in zip(headers, payloads)]
+        sizes = [[len(h), len(p)] for h, p in zip(headers, payloads)]
+        return [code == 0 for code in self._store.batch_put_from_multi_buffers(list(names), pointers, sizes)]
+
+    def get_into(self, names, headers, payloads) -> list[bool]:
+        pointers = [[_address(h), _address(p)] for h, p in zip(headers, payloads)]
+        sizes = [[len(h), len(p)] for h, p in zip(headers, payloads)]
+        expected = [len(h) + len(p) for h, p in zip(headers, payloads)]
+        codes = self._store.batch_get_into_multi_buffers(list(names), pointers, sizes)
+        return [code == size for code, size in zip(codes, expected)]
+
+    def close(self) -> None:
+        self._store.close()

@@ -1,0 +1,61 @@
+"""Redis / Valkey backend of the remote tier.
+
+``redis://[:password@]host:port/db``, ``rediss://`` for TLS (``ssl_ca_certs``,
+``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` as query parameters, as the
+``redis`` client takes them), and ``redis+cluster://host:port`` (or
+``rediss+cluster://``) for Redis Cluster. Batches are pipelined: one round trip
+per batch of reads or writes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+from urllib.parse import urlparse, urlunparse
+
+from kvtier.tiers.remote import RemoteStore
+
+
+class RedisStore(RemoteStore):
+    def __init__(self, url: str, timeout_s: float):
+        import redis
+
+        parsed = urlparse(url)
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        if parsed.scheme.endswith("+cluster"):
+            from redis.cluster import RedisCluster
+
+            plain = urlunparse(parsed._replace(scheme=parsed.scheme.replace("+cluster", "")))
+            self._client = RedisCluster.from_url(plain, **options)
+        else:
+            self._client = redis.Redis.from_url(url, **options)
+        self._client.ping()
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return [bool(found) for found in pipe.execute()]
+
+    def put(self, names, headers, payloads) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for name, header, payload in zip(names, headers, payloads):
+            pipe.set(name, b"".join((header, payload)))  # one value: a reader gets all of it or nothing
+        return [bool(ok) for ok in pipe.execute()]
+
+    def get_into(self, names, headers, payloads) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        found = []
+        for value, header, payload in zip(pipe.execute(), headers, payloads):
+            if value is None or len(value) != len(header) + len(payload):
+                found.append(False)
+                continue
+            view = memoryview(value)
+            header[:] = view[:len(header)]
+            payload[:] = view[len(header):]
+            found.append(True)
+        return found
+
+    def close(self) -> None:
+        self._client.close()
