@@ -73,11 +73,29 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--json", action="store_true")
     ttft.set_defaults(run=_bench_ttft)
 
+    pool = benches.add_parser("pool", help="storage pool through kvtier vs the raw client; disaggregated TTFT")
+    pool.add_argument("--workdir", default="kvtier-out/bench-pool")
+    pool.add_argument("--quick", action="store_true")
+    pool.add_argument("--json", action="store_true")
+    pool.set_defaults(run=lambda args: __import__("kvtier.bench.pool", fromlist=["x"]).main(args))
+
     demo = commands.add_parser("demo", help="vLLM with kvtier on long shared prefixes: cold, warm, after restart")
     demo.add_argument("--workdir", default="kvtier-out/demo")
     demo.add_argument("--quick", action="store_true", help="a smaller model and workload")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(run=_demo)
+
+    serve = commands.add_parser("serve", help="run a local storage pool on loopback, in the foreground")
+    serve.add_argument("pool", choices=["mooncake", "redis"])
+    serve.set_defaults(run=lambda args: __import__("kvtier.servers", fromlist=["x"]).serve(args.pool))
+
+    proxy = commands.add_parser("proxy", help="OpenAI-compatible proxy: prefill instance, then decode instance")
+    proxy.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")
+    proxy.add_argument("--decode", action="append", required=True, help="decode instance URL (repeatable)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.set_defaults(run=lambda args: __import__("kvtier.proxy", fromlist=["x"]).serve(
+        args.prefill, args.decode, args.host, args.port))
 
     config = commands.add_parser("config", help="print the configuration keys")
     config.add_argument("--markdown", action="store_true")

@@ -75,6 +75,20 @@ def _parse_float(value: Any) -> float:
     return float(value)
 
 
+def _parse_tiers(value: Any) -> tuple[str, ...]:
+    names = value if isinstance(value, (list, tuple)) else [v for v in str(value).replace(" ", "").split(",") if v]
+    unknown = [n for n in names if n not in ("disk", "remote")]
+    if unknown:
+        raise ValueError(f"unknown tier(s) {unknown}")
+    return tuple(dict.fromkeys(names))
+
+
+def _valid_remote_url(value: str) -> bool:
+    from kvtier.tiers.remote import validate_url
+    validate_url(value)  # raises ValueError with the reason
+    return True
+
+
 def _parse_optional_str(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
@@ -124,6 +138,22 @@ KEYS: dict[str, _Key] = {
     "copy_threads": _Key(
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
         "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),
+    "remote_url": _Key(
+        None, _parse_optional_str, lambda v: v is None or bool(_valid_remote_url(v)),
+        "null, or a mooncake://host:port?metadata=URL, redis://, rediss:// or redis+cluster:// URL",
+        "The shared storage pool (third tier); null for none."),
+    "remote_timeout_s": _Key(
+        2.0, _parse_float, lambda v: 0 < v <= 600, "a number of seconds in (0, 600]",
+        "Longest wait for one call to the pool; a slower or failed call marks it down."),
+    "remote_retry_s": _Key(
+        10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
+        "How long the pool is skipped after a failure before kvtier reconnects."),
+    "store_to": _Key(
+        "disk,remote", _parse_tiers, lambda v: True, "a comma-separated subset of disk, remote (or empty)",
+        "Tiers that stores are written through to, besides the host pool (where configured)."),
+    "load_timeout_s": _Key(
+        10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
+        "A load whose disk or pool reads take longer is abandoned: its blocks are recomputed."),
     "load_failure_policy": _Key(
         "recompute", str, lambda v: v in ("recompute", "fail"), "'recompute' or 'fail'",
         "What the engine does with blocks that fail to load (missing, corrupt, store down): recompute "
@@ -149,6 +179,11 @@ class KVTierConfig:
     store_partial_block: bool
     disk_io_threads: int
     copy_threads: int
+    remote_url: str | None
+    remote_timeout_s: float
+    remote_retry_s: float
+    store_to: tuple[str, ...]
+    load_timeout_s: float
     load_failure_policy: str
     verify_loads: bool
     model_id: str | None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -18,6 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.disk import DiskIndex
 from kvtier.tiers.host import HostPoolIndex
+from kvtier.tiers.remote import ExistenceQueries, RemoteTier, remote_key
 
 logger = logging.getLogger("kvtier.manager")
 
@@ -33,6 +36,9 @@ class ManagerStats:
 
     host_hit_blocks: int = 0
     disk_hit_blocks: int = 0
+    remote_hit_blocks: int = 0
+    remote_written_blocks: int = 0
+    failed_remote_writes: int = 0
     loaded_blocks: int = 0
     failed_load_blocks: int = 0
     stored_blocks: int = 0
@@ -64,60 +70,125 @@ class TierManager:
         self.host = HostPoolIndex(slots)
         self.disk = (DiskIndex(config.disk_dir, config.disk_bytes, slot_bytes, rank_fingerprints)
                      if config.disk_dir else None)
+        self.rank_fingerprints = list(rank_fingerprints)
+        self.remote = RemoteTier(config.remote_url, config.remote_timeout_s, config.remote_retry_s) \
+            if config.remote_url else None
+        self._remote_queries = ExistenceQueries(self.remote) if self.remote else None
+        self._remote_found: dict[str, set[bytes]] = {}  # token -> keys the pool holds for every rank
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
+        # Pool entries that just failed to load (damaged, or gone): misses for a while, or the
+        # engine would re-request the same broken hit forever. Shared entries are never deleted.
+        self._failed_remote: OrderedDict[bytes, float] = OrderedDict()
 
     # --- lookup -------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
         """Number of leading ``keys`` that some tier holds and that can be loaded now.
 
-        Disk hits are staged through host slots, so no more of them count than the
-        host pool could take at once.
+        Host first, then disk, then the pool. The pool is asked off this thread:
+        while its answer is pending this returns None (ask again with the same
+        ``token``); a pool that is down or silent counts as a miss. Disk and pool
+        hits are staged through host slots, so no more of them count than the host
+        pool could take at once.
         """
-        hits = disk_hits = 0
+        local = self._leading_hits(keys, set())
+        remote_found: set[bytes] = set()
+        if self._remote_queries is not None and token is not None and local < len(keys):
+            rest = keys[local:]
+            names = [remote_key(fp, key) for key in rest for fp in self.rank_fingerprints]
+            answer = self._remote_queries.query(token, names)
+            if answer is None:
+                return None
+            ranks = len(self.rank_fingerprints)
+            # A block counts as stored only if every rank stored its shard.
+            remote_found = {key for i, key in enumerate(rest)
+                            if all(answer[i * ranks:(i + 1) * ranks]) and not self._recently_failed(key)}
+            self._remote_found[token] = remote_found
+        return self._leading_hits(keys, remote_found)
+
+    def _leading_hits(self, keys: Sequence[bytes], remote_found: set[bytes]) -> int:
+        hits = staged = 0
         for key in keys:
             if self.host.lookup((key,)):
                 hits += 1
-            elif (self.disk is not None and disk_hits < self.host.num_available and not self.host.contains(key)
-                  and self.disk.lookup((key,))):  # a key being written to host cannot take a second slot
+                continue
+            # A key being written to host cannot take a second slot, and is not readable yet.
+            stageable = staged < self.host.num_available and not self.host.contains(key)
+            if stageable and ((self.disk is not None and self.disk.lookup((key,))) or key in remote_found):
                 hits += 1
-                disk_hits += 1
+                staged += 1
             else:
                 break
         return hits
+
+    def _recently_failed(self, key: bytes) -> bool:
+        expiry = self._failed_remote.get(key)
+        if expiry is None:
+            return False
+        if time.monotonic() < expiry:
+            return True
+        del self._failed_remote[key]
+        return False
+
+    def _remember_failed(self, keys) -> None:
+        expiry = time.monotonic() + max(self.config.remote_retry_s, 30.0)
+        for key in keys:
+            self._failed_remote[key] = expiry
+            self._failed_remote.move_to_end(key)
+        while len(self._failed_remote) > 100_000:
+            self._failed_remote.popitem(last=False)
+
+    def forget(self, token: str) -> None:
+        """Drop what a lookup remembered for ``token`` (a request that went away)."""
+        self._remote_found.pop(token, None)
+        if self._remote_queries is not None:
+            self._remote_queries.forget(token)
 
     # --- loads --------------------------------------------------------------
     def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> LoadJob:
         """Plan loading ``keys[i]`` into device block ``block_ids[i]``.
 
         Each block is resolved again here (it may have been evicted since the
-        lookup): host hits are pinned; disk hits get a reserved host slot and a
-        pinned file; from the first block found nowhere on, blocks are reported
-        missing, since the engine recomputes from the first failed block anyway.
+        lookup): host hits are pinned; disk and pool hits get a reserved host slot
+        (and disk files a pin); from the first block found nowhere on, blocks are
+        reported missing, since the engine recomputes from the first failed block.
         """
+        remote_found = self._remote_found.pop(req_id, set())
         ready_blocks, ready_slots, ready_keys = [], [], []
-        fill_blocks, fill_slots, fill_keys = [], [], []
+        fill_blocks, fill_slots, fill_keys, fill_from = [], [], [], []
         missing: list[int] = []
         for key, block_id in zip(keys, block_ids):
             if missing:
                 missing.append(block_id)
-            elif self.host.lookup((key,)):
+                continue
+            if self.host.lookup((key,)):
                 ready_blocks.append(block_id)
                 ready_slots += self.host.prepare_load((key,))
                 ready_keys.append(key)
-            elif (self.disk is not None and not self.host.contains(key) and self.disk.lookup((key,))
-                  and (plan := self.host.prepare_store((key,))) is not None):
-                self.disk.prepare_load((key,))
-                fill_blocks.append(block_id)
-                fill_slots += plan.slot_ids
-                fill_keys.append(key)
-            else:
+                continue
+            source = None
+            if not self.host.contains(key):
+                if self.disk is not None and self.disk.lookup((key,)):
+                    source = "disk"
+                elif key in remote_found:
+                    source = "remote"
+            plan = self.host.prepare_store((key,)) if source else None
+            if plan is None:
                 missing.append(block_id)
+                continue
+            if source == "disk":
+                self.disk.prepare_load((key,))
+            fill_blocks.append(block_id)
+            fill_slots += plan.slot_ids
+            fill_keys.append(key)
+            fill_from.append(source)
         job = LoadJob(next(self._job_ids), req_id, ready_blocks, ready_slots, ready_keys,
-                      fill_blocks, fill_slots, fill_keys, missing)
+                      fill_blocks, fill_slots, fill_keys, fill_from, missing)
         self.stats.host_hit_blocks += len(ready_blocks)
-        self.stats.disk_hit_blocks += len(fill_blocks)
+        self.stats.disk_hit_blocks += fill_from.count("disk")
+        self.stats.remote_hit_blocks += fill_from.count("remote")
         self._pending[job.job_id] = _Pending(job)
         return job
 
@@ -134,10 +205,13 @@ class TierManager:
         plan = self.host.prepare_store(fitting) if fitting else None
         if plan is None:
             return None
-        disk_keys = self.disk.prepare_store(plan.keys) if self.disk is not None else []
+        to_disk = self.disk is not None and "disk" in self.config.store_to
+        to_remote = self.remote is not None and "remote" in self.config.store_to
+        disk_keys = self.disk.prepare_store(plan.keys) if to_disk else []
+        remote_keys = list(plan.keys) if to_remote else []
         slot_of = dict(zip(plan.keys, plan.slot_ids))
         job = StoreJob(next(self._job_ids), req_id, [wanted[k] for k in plan.keys], plan.slot_ids, plan.keys,
-                       disk_keys, [slot_of[k] for k in disk_keys])
+                       disk_keys, [slot_of[k] for k in disk_keys], remote_keys, [slot_of[k] for k in remote_keys])
         self._pending[job.job_id] = _Pending(job)
         return job
 
@@ -156,6 +230,26 @@ class TierManager:
                 self._complete(pending)
                 completed.append(report.job_id)
         return completed
+
+    def on_released(self, slot_ids: Sequence[int]) -> None:
+        """Slots that an abandoned read has stopped writing, one entry per rank."""
+        for slot in slot_ids:
+            remaining = self._held.get(slot, 0) - 1
+            if remaining > 0:
+                self._held[slot] = remaining
+            elif slot in self._held:
+                del self._held[slot]
+                self.host.complete_store((slot,), success=False)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        if self._remote_queries is not None:
+            self._remote_queries.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def is_pending(self, job_id: int) -> bool:
         return job_id in self._pending
@@ -177,13 +271,21 @@ class TierManager:
             self.stats.load_bytes += num_bytes
             self.stats.load_seconds += seconds
             self.host.complete_load(job.ready_slot_ids)
+            held: dict[int, int] = {}
+            for r in reports:
+                for slot in r.held_slot_ids:
+                    held[slot] = held.get(slot, 0) + 1
             for block_id, slot_id in zip(job.fill_block_ids, job.fill_slot_ids):
-                # A filled slot becomes a host hit only if every rank filled it.
-                self.host.complete_store((slot_id,), success=block_id not in failed_blocks)
+                if slot_id in held:  # a read abandoned after its timeout may still write it
+                    self._held[slot_id] = held[slot_id]
+                else:  # a filled slot becomes a host hit only if every rank filled it
+                    self.host.complete_store((slot_id,), success=block_id not in failed_blocks)
+            self._remember_failed(key for block_id, key, source in zip(job.fill_block_ids, job.fill_keys, job.fill_from)
+                                  if source == "remote" and block_id in failed_blocks)
+            disk_fills = [k for k, source in zip(job.fill_keys, job.fill_from) if source == "disk"]
             if self.disk is not None:
-                self.disk.complete_load(job.fill_keys)
-            for key in bad_keys:  # after the pins are gone, so that discarding takes effect
-                if self.disk is not None:
+                self.disk.complete_load(disk_fills)
+                for key in bad_keys.intersection(disk_fills):  # after the pins are gone, so discarding works
                     self.disk.discard(key)
             for block_id, key in zip(job.ready_block_ids, job.ready_keys):
                 if block_id in failed_blocks:
@@ -197,6 +299,9 @@ class TierManager:
                 self.stats.stored_blocks += len(job.slot_ids)
             else:
                 self.stats.failed_store_blocks += len(job.slot_ids)
+            failed_remote = {key for r in reports for key in r.failed_remote_keys}
+            self.stats.failed_remote_writes += len(failed_remote)
+            self.stats.remote_written_blocks += len(job.remote_keys) - len(failed_remote) if success else 0
             if self.disk is not None and job.disk_keys:
                 failed_disk = {key for r in reports for key in r.failed_disk_keys}
                 written = [k for k in job.disk_keys if k not in failed_disk and success]

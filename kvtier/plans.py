@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class LoadJob:
     """Fill device blocks from the tiers. ``ready_*`` blocks are already in host
-    slots; ``fill_*`` blocks are read from disk into their reserved host slots
-    first; ``missing_block_ids`` could not be found and fail at once."""
+    slots; ``fill_*`` blocks are first read into their reserved host slots from
+    the tier ``fill_from[i]`` names ("disk" or "remote"); ``missing_block_ids``
+    could not be found and fail at once."""
 
     job_id: int
     req_id: str
@@ -24,11 +25,13 @@ class LoadJob:
     fill_block_ids: list[int]
     fill_slot_ids: list[int]
     fill_keys: list[bytes]
+    fill_from: list[str] = field(default_factory=list)
     missing_block_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not (len(self.ready_block_ids) == len(self.ready_slot_ids) == len(self.ready_keys)
-                and len(self.fill_block_ids) == len(self.fill_slot_ids) == len(self.fill_keys)):
+                and len(self.fill_block_ids) == len(self.fill_slot_ids) == len(self.fill_keys)
+                == len(self.fill_from)):
             raise ValueError(f"load job {self.job_id}: block, slot and key lists differ in length")
 
     @property
@@ -38,8 +41,8 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Copy device blocks into reserved host slots, then write ``disk_keys``
-    (a subset, with their slots) through to the disk tier."""
+    """Copy device blocks into reserved host slots, then write ``disk_keys`` and
+    ``remote_keys`` (subsets, with their slots) through to the disk tier and the pool."""
 
     job_id: int
     req_id: str
@@ -48,10 +51,13 @@ class StoreJob:
     keys: list[bytes]
     disk_keys: list[bytes]
     disk_slot_ids: list[int]
+    remote_keys: list[bytes] = field(default_factory=list)
+    remote_slot_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not (len(self.block_ids) == len(self.slot_ids) == len(self.keys)
-                and len(self.disk_keys) == len(self.disk_slot_ids)):
+                and len(self.disk_keys) == len(self.disk_slot_ids)
+                and len(self.remote_keys) == len(self.remote_slot_ids)):
             raise ValueError(f"store job {self.job_id}: block, slot and key lists differ in length")
 
 
@@ -65,5 +71,9 @@ class JobReport:
     failed_block_ids: list[int] = field(default_factory=list)  # loads: blocks to recompute
     bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated, foreign or missing
     failed_disk_keys: list[bytes] = field(default_factory=list)  # stores: disk writes that failed
+    failed_remote_keys: list[bytes] = field(default_factory=list)  # stores: pool writes that failed
+    # Loads abandoned after load_timeout_s: slots a read may still write into. They stay
+    # reserved until the worker reports them released (``released_slot_ids``).
+    held_slot_ids: list[int] = field(default_factory=list)
     num_bytes: int = 0
     seconds: float = 0.0

@@ -1,15 +1,17 @@
 """Worker side of kvtier: carries out the scheduler's load and store jobs.
 
 This class runs in each worker (one per tensor-parallel rank) and owns the
-tensors: the host pool's memory, the transfer engine and the disk tier's I/O.
-Nothing here blocks the engine's step on storage I/O: disk reads and writes run
-on I/O threads, device copies on the transfer engine.
+tensors: the host pool's memory, the transfer engine and the storage I/O. Nothing
+here blocks the engine's step on storage: disk and pool I/O run on I/O threads,
+device copies on the transfer engine.
 
-A load: read the ``fill`` blocks from disk into their host slots (I/O threads),
-then copy all blocks host -> device (transfer engine), then report.
-A store: copy device -> host (transfer engine); once that is done the device
-blocks are free to reuse; then write the disk keys through (I/O threads), then
-report. Each job is reported exactly once by ``poll``.
+A load: read the ``fill`` blocks into their host slots (disk entries on the disk
+threads, pool entries in one batch on a pool thread), then copy all blocks
+host -> device, then report. A fill not done within ``load_timeout_s`` abandons
+the load: it is reported failed at once (the engine recomputes), and its slots
+are reported released only when the late reads have returned.
+A store: copy device -> host; from then on the device blocks may be reused; then
+write through to disk and the pool; then report. Each job is reported once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -26,12 +29,13 @@ import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.entry import checksum
+from kvtier.entry import HEADER_BYTES, check_entry, checksum, encode_header
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, TensorInfo, detect_layout
 from kvtier.manager import num_host_slots
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.remote import RemoteTier, remote_key
 from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
 from kvtier.transfer.host_buffer import allocate_host_buffer
 
@@ -46,9 +50,13 @@ def tensor_info(tensor: torch.Tensor) -> TensorInfo:
 class _Load:
     job: LoadJob
     report: JobReport
+    deadline: float
+    fills_left: int
     usable_block_ids: list[int] = field(default_factory=list)
     usable_slot_ids: list[int] = field(default_factory=list)
     usable_keys: list[bytes] = field(default_factory=list)
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -56,6 +64,7 @@ class _Store:
     job: StoreJob
     report: JobReport
     device_reads_done: bool = False  # the device -> host copy finished: the blocks may be reused
+    writes_left: int = 0
     reportable: bool = False  # every step finished: report, then the scheduler releases the slots
 
 
@@ -74,6 +83,7 @@ class TierWorker:
         self.device_is_cuda = self.tensors[0].is_cuda
         self.host_buffer = allocate_host_buffer(self.num_slots, self.layout.slot_bytes, pin=self.device_is_cuda)
         self._host_slots = self.host_buffer.numpy().reshape(self.num_slots, self.layout.slot_bytes)
+        self._headers = np.zeros((self.num_slots, HEADER_BYTES), np.uint8)  # a pool entry's header, per slot
         if self.device_is_cuda:
             from kvtier.transfer.cuda import CudaCopier
             copier = CudaCopier(self.layout, self.tensors, self.host_buffer)
@@ -82,52 +92,85 @@ class TierWorker:
             copier = CpuCopier(self.layout, self.tensors, self.host_buffer, config.copy_threads)
         self.transfers = TransferEngine(copier)
         self.disk = DiskStore(config.disk_dir, self.rank_fingerprint, self.layout.slot_bytes) if config.disk_dir else None
+        self.remote = None
+        if config.remote_url:
+            self.remote = RemoteTier(config.remote_url, config.remote_timeout_s, config.remote_retry_s)
+            # Zero-copy where the pool allows: it reads from and writes into these directly.
+            self.remote.register(self.host_buffer.data_ptr(), self.host_buffer.numel())
+            self.remote.register(self._headers.ctypes.data, self._headers.nbytes)
         self._io = ThreadPoolExecutor(config.disk_io_threads, thread_name_prefix="kvtier-io")
-        self._io_done: queue.SimpleQueue = queue.SimpleQueue()  # finished disk writes, from I/O threads
+        self._remote_io = ThreadPoolExecutor(2, thread_name_prefix="kvtier-pool")
+        self._writes_done: queue.SimpleQueue[int] = queue.SimpleQueue()  # store job ids, from I/O threads
+        self._released: queue.SimpleQueue[int] = queue.SimpleQueue()  # held slots, from I/O threads
         self._loads: dict[int, _Load] = {}
         self._stores: dict[int, _Store] = {}
         self._job_of_transfer: dict[int, tuple[bool, int]] = {}  # transfer id -> (is_load, job id)
         self._lock = threading.Lock()  # guards _job_of_transfer: loads submit their copy from I/O threads
         self._transfer_ids = itertools.count()
         self._slot_checksums: dict[int, int] = {}  # verify_loads: checksum of the bytes each slot received
+        self._finished_early: list[JobReport] = []  # loads finished during wait_for_stores, for the next poll
         self.num_verify_failures = 0
 
-    # --- submission ---------------------------------------------------------
+    # --- loads --------------------------------------------------------------
     def submit_load(self, job: LoadJob) -> None:
         report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
-        load = _Load(job, report, list(job.ready_block_ids), list(job.ready_slot_ids), list(job.ready_keys))
+        load = _Load(job, report, time.monotonic() + self.config.load_timeout_s, len(job.fill_keys),
+                     list(job.ready_block_ids), list(job.ready_slot_ids), list(job.ready_keys))
         self._loads[job.job_id] = load
         if not job.fill_keys:
             self._submit_load_copy(load)
             return
-        if self.disk is None:
-            report.failed_block_ids += job.fill_block_ids
-            report.bad_keys += job.fill_keys
-            self._submit_load_copy(load)
-            return
-        remaining = [len(job.fill_keys)]
-        fill_lock = threading.Lock()
+        fills = list(zip(job.fill_block_ids, job.fill_slot_ids, job.fill_keys, job.fill_from))
+        for block_id, slot_id, key, source in fills:
+            if source == "disk":
+                self._io.submit(self._fill_from_disk, load, block_id, slot_id, key)
+        from_remote = [f[:3] for f in fills if f[3] == "remote"]
+        if from_remote:
+            self._remote_io.submit(self._fill_from_remote, load, from_remote)
 
-        def fill(block_id: int, slot_id: int, key: bytes) -> None:
-            why = self.disk.read_into(key, memoryview(self._host_slots[slot_id]))
+    def _fill_from_disk(self, load: _Load, block_id: int, slot_id: int, key: bytes) -> None:
+        why = self.disk.read_into(key, memoryview(self._host_slots[slot_id])) if self.disk else "no disk tier"
+        self._filled(load, [(block_id, slot_id, key, why)])
+
+    def _fill_from_remote(self, load: _Load, fills: list[tuple[int, int, bytes]]) -> None:
+        names = [remote_key(self.rank_fingerprint, key) for _, _, key in fills]
+        headers = [memoryview(self._headers[slot]) for _, slot, _ in fills]
+        payloads = [memoryview(self._host_slots[slot]) for _, slot, _ in fills]
+        found = self.remote.call("get_into", names, headers, payloads) if self.remote else None
+        outcomes = []
+        for i, (block_id, slot_id, key) in enumerate(fills):
+            if found is None:
+                why = "pool unavailable"
+            elif not found[i]:
+                why = "missing or wrong size in the pool"
+            else:
+                why = check_entry(bytes(self._headers[slot_id]), self._host_slots[slot_id], self.rank_fingerprint,
+                                  key, self.layout.slot_bytes)
+            outcomes.append((block_id, slot_id, key, why))
+        self._filled(load, outcomes)
+
+    def _filled(self, load: _Load, outcomes: list[tuple[int, int, bytes, str | None]]) -> None:
+        """Runs on I/O threads when fills have landed (or failed) in their slots."""
+        for block_id, slot_id, key, why in outcomes:
             if why is None and self.config.verify_loads:
                 self._slot_checksums[slot_id] = checksum(self._host_slots[slot_id])
-            with fill_lock:
+        with load.lock:
+            for block_id, slot_id, key, why in outcomes:
                 if why is None:
                     load.usable_block_ids.append(block_id)
                     load.usable_slot_ids.append(slot_id)
                     load.usable_keys.append(key)
                 else:
-                    logger.warning("kvtier: disk entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
-                    report.failed_block_ids.append(block_id)
-                    report.bad_keys.append(key)
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:  # every fill has landed in its slot: the slots may now be read
-                self._submit_load_copy(load)
-
-        for block_id, slot_id, key in zip(job.fill_block_ids, job.fill_slot_ids, job.fill_keys):
-            self._io.submit(fill, block_id, slot_id, key)
+                    logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
+                    load.report.failed_block_ids.append(block_id)
+                    load.report.bad_keys.append(key)
+            load.fills_left -= len(outcomes)
+            last, abandoned = load.fills_left == 0, load.abandoned
+        if last and abandoned:  # the late reads are over: the held slots may now be reused
+            for slot_id in load.job.fill_slot_ids:
+                self._released.put(slot_id)
+        elif last:  # every fill has landed in its slot: the slots may now be read
+            self._submit_load_copy(load)
 
     def _submit_load_copy(self, load: _Load) -> None:
         with self._lock:  # register before submit, so a fast completion always finds its job
@@ -136,6 +179,25 @@ class TierWorker:
             self._job_of_transfer[transfer.job_id] = (True, load.job.job_id)
         self.transfers.submit(transfer)
 
+    def _abandon_overdue_loads(self, now: float) -> list[JobReport]:
+        abandoned = []
+        for job_id, load in list(self._loads.items()):
+            with load.lock:
+                if load.fills_left == 0 or now < load.deadline:
+                    continue
+                load.abandoned = True
+            logger.warning("kvtier: load job %d not filled in %.1f s; its blocks will be recomputed", job_id,
+                           self.config.load_timeout_s)
+            del self._loads[job_id]
+            job = load.job
+            report = load.report
+            report.failed_block_ids = job.ready_block_ids + job.fill_block_ids + job.missing_block_ids
+            report.held_slot_ids = list(job.fill_slot_ids)
+            report.success = False
+            abandoned.append(report)
+        return abandoned
+
+    # --- stores -------------------------------------------------------------
     def submit_store(self, job: StoreJob) -> None:
         self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True))
         with self._lock:
@@ -144,10 +206,53 @@ class TierWorker:
             self._job_of_transfer[transfer.job_id] = (False, job.job_id)
         self.transfers.submit(transfer)
 
+    def _after_store_copy(self, store: _Store, result: TransferResult) -> None:
+        store.device_reads_done = True  # from here on the device blocks may be reused
+        report, job = store.report, store.job
+        report.num_bytes, report.seconds = result.num_bytes, result.seconds
+        if not result.success:
+            logger.warning("kvtier: store job %d failed (%s)", job.job_id, result.error)
+            report.success = False
+            report.failed_disk_keys, report.failed_remote_keys = list(job.disk_keys), list(job.remote_keys)
+            store.reportable = True
+            return
+        if self.config.verify_loads:
+            for slot in job.slot_ids:
+                self._slot_checksums[slot] = checksum(self._host_slots[slot])
+        store.writes_left = len(job.disk_keys) + (1 if job.remote_keys else 0)
+        if store.writes_left == 0:
+            store.reportable = True
+        for key, slot_id in zip(job.disk_keys, job.disk_slot_ids):
+            self._io.submit(self._write_to_disk, store, key, slot_id)
+        if job.remote_keys:
+            self._remote_io.submit(self._write_to_remote, store)
+
+    def _write_to_disk(self, store: _Store, key: bytes, slot_id: int) -> None:
+        try:
+            self.disk.write(key, memoryview(self._host_slots[slot_id]))
+        except (OSError, AttributeError) as error:
+            logger.warning("kvtier: disk write of %s failed: %s", key.hex(), error)
+            store.report.failed_disk_keys.append(key)  # list.append is atomic; read after all writes are done
+        self._writes_done.put(store.job.job_id)
+
+    def _write_to_remote(self, store: _Store) -> None:
+        job = store.job
+        for key, slot in zip(job.remote_keys, job.remote_slot_ids):
+            self._headers[slot] = np.frombuffer(
+                encode_header(self.rank_fingerprint, key, self._host_slots[slot]), np.uint8)
+        stored = self.remote.call("put", [remote_key(self.rank_fingerprint, k) for k in job.remote_keys],
+                                  [memoryview(self._headers[s]) for s in job.remote_slot_ids],
+                                  [memoryview(self._host_slots[s]) for s in job.remote_slot_ids])
+        if stored is None:
+            store.report.failed_remote_keys = list(job.remote_keys)
+        else:
+            store.report.failed_remote_keys = [k for k, ok in zip(job.remote_keys, stored) if not ok]
+        self._writes_done.put(job.job_id)
+
     # --- completion ---------------------------------------------------------
-    def poll(self) -> list[JobReport]:
-        """Jobs finished since the last call, each exactly once."""
-        finished: list[JobReport] = []
+    def _advance(self) -> list[JobReport]:
+        """Move jobs on from finished copies and writes; returns finished loads."""
+        finished = []
         for result in self.transfers.poll():
             with self._lock:
                 is_load, job_id = self._job_of_transfer.pop(result.job_id)
@@ -157,12 +262,29 @@ class TierWorker:
                 self._after_store_copy(self._stores[job_id], result)
         while True:
             try:
-                self._stores[self._io_done.get_nowait()].reportable = True
+                store = self._stores[self._writes_done.get_nowait()]
             except queue.Empty:
                 break
+            store.writes_left -= 1
+            store.reportable = store.writes_left == 0
+        return finished
+
+    def poll(self) -> list[JobReport]:
+        """Jobs finished since the last call, each exactly once."""
+        finished, self._finished_early = self._finished_early, []
+        finished += self._advance() + self._abandon_overdue_loads(time.monotonic())
         for job_id in [job_id for job_id, store in self._stores.items() if store.reportable]:
             finished.append(self._stores.pop(job_id).report)
         return finished
+
+    def released_slots(self) -> list[int]:
+        """Held slots whose late reads have returned since the last call."""
+        released = []
+        while True:
+            try:
+                released.append(self._released.get_nowait())
+            except queue.Empty:
+                return released
 
     def _finish_load(self, load: _Load, result: TransferResult) -> JobReport:
         report = load.report
@@ -175,52 +297,9 @@ class TierWorker:
         report.success = not report.failed_block_ids
         return report
 
-    def _after_store_copy(self, store: _Store, result: TransferResult) -> None:
-        store.device_reads_done = True  # from here on the device blocks may be reused
-        report = store.report
-        report.num_bytes, report.seconds = result.num_bytes, result.seconds
-        if not result.success:
-            logger.warning("kvtier: store job %d failed (%s)", store.job.job_id, result.error)
-            report.success = False
-            report.failed_disk_keys = list(store.job.disk_keys)
-            store.reportable = True
-            return
-        if self.config.verify_loads:
-            for slot in store.job.slot_ids:
-                self._slot_checksums[slot] = checksum(self._host_slots[slot])
-        if store.job.disk_keys:
-            self._write_through(store)
-        else:
-            store.reportable = True
-
-    def _write_through(self, store: _Store) -> None:
-        job = store.job
-        remaining = [len(job.disk_keys)]
-        lock = threading.Lock()
-
-        def write(key: bytes, slot_id: int) -> None:
-            try:
-                self.disk.write(key, memoryview(self._host_slots[slot_id]))
-            except OSError as error:
-                logger.warning("kvtier: disk write of %s failed: %s", key.hex(), error)
-                with lock:
-                    store.report.failed_disk_keys.append(key)
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:  # the host slots are no longer read: the job may be reported and its pins released
-                self._io_done.put(job.job_id)
-
-        if self.disk is None:
-            store.report.failed_disk_keys = list(job.disk_keys)
-            self._io_done.put(job.job_id)
-            return
-        for key, slot_id in zip(job.disk_keys, job.disk_slot_ids):
-            self._io.submit(write, key, slot_id)
-
     def _verify(self, load: _Load) -> None:
         """Test mode: read the loaded device blocks back and compare them with the
-        bytes their host slot received (from the device or from a disk entry)."""
+        bytes their host slot received (from the device, a disk entry or the pool)."""
         if self.device_is_cuda:
             return
         from kvtier._native import copy_runs
@@ -245,9 +324,25 @@ class TierWorker:
 
     def wait_for_device_reads(self, store_job_ids: Sequence[int], timeout: float = 60.0) -> bool:
         """Block until the stores' device -> host copies are done (before their blocks are reused)."""
+        wanted_jobs = set(store_job_ids)
         with self._lock:
-            wanted = {t for t, (is_load, j) in self._job_of_transfer.items() if not is_load and j in set(store_job_ids)}
+            wanted = {t for t, (is_load, j) in self._job_of_transfer.items() if not is_load and j in wanted_jobs}
         return self.transfers.wait(wanted, timeout)
+
+    def wait_for_stores(self, store_job_ids: Sequence[int], timeout: float) -> bool:
+        """Block until the stores are complete everywhere (the pool included), or ``timeout``.
+
+        Loads that finish meanwhile are kept for the next ``poll``.
+        """
+        deadline = time.monotonic() + timeout
+        wanted = set(store_job_ids)
+        while True:
+            self._finished_early += self._advance()
+            if all(j not in self._stores or self._stores[j].reportable for j in wanted):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -256,3 +351,6 @@ class TierWorker:
     def close(self) -> None:
         self.transfers.close()
         self._io.shutdown(wait=True)
+        self._remote_io.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.close()

@@ -6,9 +6,11 @@ that a "restart" is a real new process.
 
 A spec: ``{"model", "connector": "kvtier"|"example"|null, "extra": {...},
 "engine": {make_llm keyword arguments}, "phases": [{"name", "mode":
-"sequential"|"concurrent", "prompts": [[token ids]], "max_tokens", ...}]}``.
-Sequential phases time each request's first token; concurrent phases submit all
-requests at once and may abort some at random.
+"sequential"|"concurrent", "prompts": [[token ids]], "max_tokens", "wait_for",
+...}]}``. Sequential phases time each request's first token; concurrent phases
+submit all requests at once and may abort some at random. A phase with
+``wait_for`` starts once that file exists; after phase i, ``OUT.json.phase<i>.done``
+is created.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def kvtier_state(llm) -> dict:
     return {
         "hit_tokens_host": scheduler.hit_tokens["host"],
         "hit_tokens_disk": scheduler.hit_tokens["disk"],
+        "hit_tokens_remote": scheduler.hit_tokens["remote"],
         "miss_tokens": scheduler.miss_tokens,
         "host_pins": manager.host.num_pins,
         "host_used": manager.host.num_used,
@@ -117,7 +120,9 @@ def main(spec_path: str, out_path: str) -> None:
         warmup = random.Random(12345)
         run_sequential(engine, [[warmup.randrange(3, 1000) for _ in range(64)]], SamplingParams(max_tokens=2))
         drain(llm)
-    for phase in spec["phases"]:
+    for index, phase in enumerate(spec["phases"]):
+        if phase.get("wait_for"):  # another process (a test) prepares something between phases
+            _wait_for_file(phase["wait_for"])
         params = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, ignore_eos=True, logprobs=1)
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # so that hits come from the connector, not vLLM's own cache
@@ -134,13 +139,22 @@ def main(spec_path: str, out_path: str) -> None:
         if before is not None:
             after = kvtier_state(llm)
             record["kvtier_delta"] = {
-                key: after[key] - before[key] for key in ("hit_tokens_host", "hit_tokens_disk", "miss_tokens")}
+                key: after[key] - before[key] for key in ("hit_tokens_host", "hit_tokens_disk", "hit_tokens_remote", "miss_tokens")}
             record["kvtier_delta"].update({f"{key}": after["stats"][key] - before["stats"][key]
                                            for key in ("load_bytes", "store_bytes", "loaded_blocks", "stored_blocks")})
         result["phases"].append(record)
+        open(f"{out_path}.phase{index}.done", "w").close()
     if spec.get("connector") == "kvtier":
         result["kvtier"] = kvtier_state(llm)
     json.dump(result, open(out_path, "w"))
+
+
+def _wait_for_file(path: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.05)
 
 
 def _progress_printer(phase):

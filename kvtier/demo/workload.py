@@ -25,8 +25,8 @@ from pathlib import Path
 
 from kvtier.demo.model import make_model
 
-FULL = dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, document_tokens=2000,
-            num_documents=4, questions_per_document=3, conversations=2, turns=3, num_blocks=160)
+FULL = dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, document_tokens=1500,
+            num_documents=3, questions_per_document=3, conversations=2, turns=3, num_blocks=128)
 QUICK = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, document_tokens=600,
              num_documents=3, questions_per_document=2, conversations=1, turns=2, num_blocks=64)
 

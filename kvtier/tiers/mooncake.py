@@ -12,6 +12,7 @@ entries move with the batch calls that write from and read into them
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -30,9 +31,12 @@ class MooncakeStore(RemoteStore):
 
         parsed = urlparse(url)
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        local_host = query.get("local_host", "127.0.0.1")
+        # The transfer engine listens on the address it announces, not on any interface it finds.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         self._store = MooncakeDistributedStore()
         code = self._store.setup(
-            query.get("local_host", "127.0.0.1"), query["metadata"],
+            local_host, query["metadata"],
             parse_bytes(query.get("segment", "256MiB")), parse_bytes(query.get("buffer", "64MiB")),
             query.get("protocol", "tcp"), query.get("device", ""), f"{parsed.hostname}:{parsed.port or 50051}")
         if code != 0:

@@ -151,3 +151,46 @@ class RemoteTier:
             store, self._store = self._store, None
         if store is not None:
             store.close()
+
+
+class ExistenceQueries:
+    """Asks the pool which keys it holds, off the caller's thread.
+
+    ``query(token, names)`` returns the answer once it has arrived, None while it
+    is pending (ask again later), and all-False once ``timeout_s`` has passed
+    without one: a pool that does not answer is a miss, never a wait.
+    """
+
+    def __init__(self, tier: RemoteTier, num_threads: int = 2):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._tier = tier
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kvtier-remote-lookup")
+        self._pending: dict[str, tuple[tuple[str, ...], float, object]] = {}
+
+    def query(self, token: str, names: Sequence[str]) -> list[bool] | None:
+        names = tuple(names)
+        if not names:
+            return []
+        if not self._tier.available:
+            return [False] * len(names)
+        entry = self._pending.get(token)
+        if entry is None or entry[0] != names:
+            future = self._pool.submit(self._tier.call, "exists", list(names))
+            self._pending[token] = (names, time.monotonic(), future)
+            return None
+        _, began, future = entry
+        if future.done():
+            del self._pending[token]
+            found = future.result()
+            return [False] * len(names) if found is None else list(found)
+        if time.monotonic() - began > self._tier.timeout_s:
+            del self._pending[token]
+            return [False] * len(names)
+        return None
+
+    def forget(self, token: str) -> None:
+        self._pending.pop(token, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

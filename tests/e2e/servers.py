@@ -6,17 +6,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kvtier.servers import free_port
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> dict:

@@ -22,6 +22,10 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.kvtier_config = KVTierConfig.from_sources(extra_config)  # fails at start-up, naming the key
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role in ("kv_producer", "kv_consumer") and not self.kvtier_config.remote_url:
+            raise ValueError(f"kvtier config: kv_role {kv_role!r} hands KV through the pool, so key 'remote_url' "
+                             f"must name one (mooncake://... or redis://...)")
         geometry = engine_geometry(vllm_config, kv_cache_config, self.kvtier_config)
         self._scheduler_side = None
         self._worker_side = None
@@ -31,12 +35,12 @@ class KVTierConnector(KVConnectorBase_V1):
             # vLLM's scheduler reads this after building the connector: kvtier is a cache, so by
             # default a block that fails to load is recomputed rather than failing the request.
             self._kv_transfer_config.kv_load_failure_policy = self.kvtier_config.load_failure_policy
-            self._scheduler_side = SchedulerSide(self.kvtier_config, geometry)
+            self._scheduler_side = SchedulerSide(self.kvtier_config, geometry, kv_role)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from kvtier.integrations.vllm.worker_side import WorkerSide
-            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank())
+            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role)
 
     # --- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -76,6 +80,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker_side is not None:
             self._worker_side.shutdown()
+        if self._scheduler_side is not None:
+            self._scheduler_side.shutdown()
 
     def _metadata(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()

@@ -30,10 +30,11 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler, once per step; vLLM concatenates the ranks' reports."""
 
     reports: list[JobReport] = field(default_factory=list)
+    released_slot_ids: list[int] = field(default_factory=list)  # held slots, one entry per rank
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.reports + other.reports)
+        return KVTierWorkerMetadata(self.reports + other.reports, self.released_slot_ids + other.released_slot_ids)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = {
     "hit_tokens_host": "Prompt tokens loaded from the host pool",
     "hit_tokens_disk": "Prompt tokens loaded from the disk tier",
+    "hit_tokens_remote": "Prompt tokens loaded from the shared storage pool",
     "miss_tokens": "Prompt tokens that no tier nor the engine's prefix cache held",
     "load_bytes": "Bytes loaded into the engine's KV cache",
     "load_seconds": "Seconds spent loading (slowest rank per job)",
@@ -25,6 +26,7 @@ COUNTERS = {
     "evictions_host": "Blocks evicted from the host pool",
     "evictions_disk": "Entries evicted from the disk tier",
     "failed_load_blocks": "Blocks that failed to load and were recomputed",
+    "failed_remote_writes": "Blocks that could not be written to the pool (down, slow or full)",
     "bad_entries": "Stored entries found corrupt, truncated, foreign or missing",
     "skipped_store_blocks": "Blocks not stored for lack of free host slots",
 }
@@ -91,12 +93,14 @@ class StatsTracker:
     def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int) -> KVTierStats | None:
         stats = manager.stats
         totals = {
-            "hit_tokens_host": hit_tokens["host"], "hit_tokens_disk": hit_tokens["disk"], "miss_tokens": miss_tokens,
+            "hit_tokens_host": hit_tokens["host"], "hit_tokens_disk": hit_tokens["disk"],
+            "hit_tokens_remote": hit_tokens["remote"], "miss_tokens": miss_tokens,
             "load_bytes": stats.load_bytes, "load_seconds": stats.load_seconds,
             "store_bytes": stats.store_bytes, "store_seconds": stats.store_seconds,
             "evictions_host": manager.host.num_evictions,
             "evictions_disk": manager.disk.num_evictions if manager.disk else 0,
             "failed_load_blocks": stats.failed_load_blocks, "bad_entries": stats.bad_entries,
+            "failed_remote_writes": stats.failed_remote_writes,
             "skipped_store_blocks": stats.skipped_store_blocks,
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}

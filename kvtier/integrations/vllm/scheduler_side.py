@@ -35,7 +35,11 @@ class _RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, kv_role: str = "kv_both"):
+        # Prefill/decode: the producer stores every prompt block, the partial one included;
+        # the consumer only loads (the partial block too) and stores nothing.
+        self.stores_enabled = kv_role != "kv_consumer"
+        self.partial_blocks = config.store_partial_block or kv_role in ("kv_producer", "kv_consumer")
         self.config = config
         self.geometry = geometry
         self.block_size = geometry.block_size
@@ -48,7 +52,7 @@ class SchedulerSide:
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
-        self.hit_tokens = {"host": 0, "disk": 0}
+        self.hit_tokens = {"host": 0, "disk": 0, "remote": 0}
         self.miss_tokens = 0
         self._stats = StatsTracker()
 
@@ -104,19 +108,20 @@ class SchedulerSide:
         return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
     # --- vLLM scheduler hooks -------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.manager is None or self._unsupported(request):
             return 0, False
         state = self._state(request)
         num_tokens = request.num_tokens
         keys = self._full_keys(state, num_tokens)
+        partial = self._partial_key(state, num_tokens) if self.partial_blocks else None
         start = num_computed_tokens // self.block_size
-        hit_blocks = start + self.manager.lookup(keys[start:])
-        hit_tokens = hit_blocks * self.block_size
-        if self.config.store_partial_block and hit_blocks == len(keys):
-            partial = self._partial_key(state, num_tokens)
-            if partial is not None and self.manager.lookup([partial]):
-                hit_tokens = num_tokens
+        wanted = keys[start:] + ([partial] if partial is not None else [])
+        hits = self.manager.lookup(wanted, token=request.request_id)
+        if hits is None:
+            return None, False  # the pool has not answered yet: vLLM asks again next step
+        hit_blocks = start + min(hits, len(keys) - start)
+        hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
         if num_external <= 0:
@@ -142,8 +147,11 @@ class SchedulerSide:
         self._new_loads.append(job)
         state.num_stored_blocks = max(state.num_stored_blocks, hit_tokens // self.block_size)
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
-        self.hit_tokens["host"] += len(job.ready_block_ids) * self.block_size
-        self.hit_tokens["disk"] += len(job.fill_block_ids) * self.block_size
+        tokens_of = {block_id: min((first_block + i + 1) * self.block_size, hit_tokens)
+                     - max((first_block + i) * self.block_size, first_token) for i, block_id in enumerate(block_ids)}
+        self.hit_tokens["host"] += sum(tokens_of[b] for b in job.ready_block_ids)
+        for block_id, source in zip(job.fill_block_ids, job.fill_from):
+            self.hit_tokens[source] += tokens_of[block_id]
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         for new in scheduler_output.scheduled_new_reqs:
@@ -169,7 +177,7 @@ class SchedulerSide:
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None or self.manager is None or self._unsupported(state.request):
+            if state is None or self.manager is None or not self.stores_enabled or self._unsupported(state.request):
                 continue
             store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits)
@@ -187,7 +195,7 @@ class SchedulerSide:
             state.num_stored_blocks = num_full  # not retried: a block that did not fit is a later miss
             jobs.append(job)
         num_prompt = request.num_prompt_tokens
-        if (self.config.store_partial_block and not state.partial_planned and num_computed_after >= num_prompt
+        if (self.partial_blocks and not state.partial_planned and num_computed_after >= num_prompt
                 and num_prompt % self.block_size and num_prompt // self.block_size < len(state.block_ids)):
             state.partial_planned = True
             jobs.append(self.manager.plan_store(request.request_id, [self._partial_key(state, num_prompt)],
@@ -202,11 +210,16 @@ class SchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
+        self.manager.on_released(meta.released_slot_ids)
         for job_id in self.manager.on_reports(meta.reports):
             req_id = self._store_job_owner.pop(job_id, None)
             state = self._requests.get(req_id) if req_id is not None else None
             if state is not None:
                 state.store_job_ids.discard(job_id)
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
 
     @property
     def num_tracked_requests(self) -> int:
@@ -220,6 +233,8 @@ class SchedulerSide:
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        if self.manager is not None:
+            self.manager.forget(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
         pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]

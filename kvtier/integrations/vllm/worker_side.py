@@ -22,10 +22,12 @@ logger = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both"):
         self.config = config
         self.geometry = geometry
         self.tp_rank = tp_rank
+        self.is_producer = role == "kv_producer"
+        self._released_slot_ids: list[int] = []
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
@@ -65,9 +67,17 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         # Called after the step's forward: the KV that these stores read has been written.
+        submitted = []
         for job in self._new_jobs(meta.store_jobs):
             self.tier_worker.submit_store(job)
+            submitted.append(job.job_id)
         self._send_waits.update(meta.send_waits)
+        if self.is_producer and submitted:
+            # Prefill/decode hand-off: this step's output (the first token) leaves only once
+            # its blocks are durable in the pool, so the decode instance finds them. Bounded.
+            if not self.tier_worker.wait_for_stores(submitted, timeout=2 * self.config.remote_timeout_s + 1):
+                logger.warning("kvtier: pool writes of jobs %s not durable in time; the decode instance "
+                               "will recompute what it does not find", submitted)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         if meta.preempted_store_job_ids and self.tier_worker is not None:
@@ -82,6 +92,7 @@ class WorkerSide:
             if report.is_load:
                 finished_recving.add(self._load_owner.pop(report.job_id))
                 self._load_error_block_ids.update(report.failed_block_ids)
+        self._released_slot_ids += self.tier_worker.released_slots() if self.tier_worker is not None else []
         finished_sending = {req_id for req_id, job_ids in self._send_waits.items()
                             if all(self.tier_worker.device_reads_done(j) for j in job_ids)}
         for req_id in finished_sending:
@@ -97,10 +108,11 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not self._reports:
+        if not self._reports and not self._released_slot_ids:
             return None
-        reports, self._reports = self._reports, []
-        return KVTierWorkerMetadata(reports)
+        meta = KVTierWorkerMetadata(self._reports, self._released_slot_ids)
+        self._reports, self._released_slot_ids = [], []
+        return meta
 
     def shutdown(self) -> None:
         if self.tier_worker is not None:

@@ -1,0 +1,134 @@
+"""Start a local Mooncake master or Redis server on loopback (tests, demos, the README).
+
+``kvtier serve mooncake`` and ``kvtier serve redis`` run one in the foreground;
+``local_mooncake()`` / ``local_redis()`` are context managers that start one on
+free ports and stop it on exit, yielding the ``remote_url`` to give kvtier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
+
+
+def _binary(name: str) -> str:
+    beside_python = Path(sys.executable).parent / name
+    found = str(beside_python) if beside_python.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found (make setup installs it)")
+    return found
+
+
+def mooncake_command(rpc_port: int, metadata_port: int) -> list[str]:
+    return [_binary("mooncake_master"), "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={metadata_port}",
+            f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"]
+
+
+def redis_command(port: int, password: str | None = None) -> list[str]:
+    command = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return command + (["--requirepass", password] if password else [])
+
+
+def mooncake_storage_command(rpc_port: int, metadata_port: int, port: int, size: str) -> list[str]:
+    """A storage node: a Mooncake client that only lends memory to the pool."""
+    return [_binary("mooncake_client"), "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={size}",
+            f"--master_server_address=127.0.0.1:{rpc_port}",
+            f"--metadata_server=http://127.0.0.1:{metadata_port}/metadata", "--protocol=tcp"]
+
+
+def mooncake_url(rpc_port: int, metadata_port: int, segment: str = "0") -> str:
+    """``segment``: memory an instance lends to the pool itself (0: the storage nodes hold everything)."""
+    return f"mooncake://127.0.0.1:{rpc_port}?metadata=http://127.0.0.1:{metadata_port}/metadata&segment={segment}"
+
+
+class LocalServer:
+    """A server process of ours; ``stop()`` and ``start()`` again keep its ports."""
+
+    def __init__(self, commands: list[tuple[list[str], int]], url: str, name: str, log_path: str | None = None):
+        self.commands, self.url, self.name = commands, url, name  # (command, port it listens on), in start order
+        self.port = commands[0][1]
+        self.log_path = log_path or os.devnull
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "LocalServer":
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # loopback only
+        for command, port in self.commands:
+            log = open(self.log_path, "a")
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            log.close()
+            self.procs.append(proc)
+            _wait_for_port(port, proc, os.path.basename(command[0]))
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.procs = []
+
+
+@contextlib.contextmanager
+def local_mooncake(log_path: str | None = None, storage: str = "1GB"):
+    """A Mooncake master (with its HTTP metadata server) and one storage node."""
+    rpc_port, metadata_port, storage_port = free_port(), free_port(), free_port()
+    server = LocalServer([(mooncake_command(rpc_port, metadata_port), metadata_port),
+                          (mooncake_storage_command(rpc_port, metadata_port, storage_port, storage), storage_port)],
+                         mooncake_url(rpc_port, metadata_port), "mooncake", log_path)
+    server.port = rpc_port
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def local_redis(log_path: str | None = None, password: str | None = None):
+    port = free_port()
+    auth = f":{password}@" if password else ""
+    server = LocalServer([(redis_command(port, password), port)], f"redis://{auth}127.0.0.1:{port}/0", "redis",
+                         log_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def serve(kind: str) -> None:
+    """Run a local pool in the foreground until interrupted; prints its remote_url."""
+    context = local_mooncake() if kind == "mooncake" else local_redis()
+    with context as server:
+        print(f"remote_url: {server.url}", flush=True)
+        try:
+            while all(proc.poll() is None for proc in server.procs):
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass

