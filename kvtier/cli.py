@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     pool.add_argument("--json", action="store_true")
     pool.set_defaults(run=lambda args: __import__("kvtier.bench.pool", fromlist=["x"]).main(args))
 
+    layerwise = benches.add_parser("layerwise", help="transfer time hidden behind compute, layer by layer")
+    layerwise.add_argument("--workdir", default="kvtier-out/bench-layerwise")
+    layerwise.add_argument("--quick", action="store_true")
+    layerwise.add_argument("--no-engine", action="store_true", help="only the synthetic model, no vLLM")
+    layerwise.add_argument("--json", action="store_true")
+    layerwise.set_defaults(run=lambda args: __import__("kvtier.bench.layerwise", fromlist=["x"]).main(args))
+
     demo = commands.add_parser("demo", help="vLLM with kvtier on long shared prefixes: cold, warm, after restart")
     demo.add_argument("--workdir", default="kvtier-out/demo")
     demo.add_argument("--quick", action="store_true", help="a smaller model and workload")

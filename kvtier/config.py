@@ -161,6 +161,10 @@ KEYS: dict[str, _Key] = {
     "verify_loads": _Key(
         False, _parse_bool, lambda v: True, "true or false",
         "Test mode: the worker checks every loaded block's bytes against the checksum taken when it was stored."),
+    "layerwise": _Key(
+        False, _parse_bool, lambda v: True, "true or false",
+        "Move KV layer by layer, overlapped with the model's compute: host hits load during the "
+        "forward (each layer waited for alone), stores start as each layer's KV is written."),
     "model_id": _Key(
         None, _parse_optional_str, lambda v: True, "a string, or null to take the engine's model name",
         "Model identity mixed into every key; set it when two different models share a name or path."),
@@ -186,6 +190,7 @@ class KVTierConfig:
     load_timeout_s: float
     load_failure_policy: str
     verify_loads: bool
+    layerwise: bool
     model_id: str | None
     config_file: str | None
 

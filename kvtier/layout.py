@@ -77,8 +77,10 @@ class KVLayout:
         block_ids: np.ndarray,
         slot_ids: np.ndarray,
         to_host: bool,
+        tensor_indices: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(dst, src, length) int64 arrays that move ``block_ids`` <-> ``slot_ids``.
+        """(dst, src, length) int64 arrays that move ``block_ids`` <-> ``slot_ids``,
+        for every tensor or only those in ``tensor_indices`` (one layer, layer-wise).
 
         Runs that are adjacent on both sides are merged into one copy.
         """
@@ -90,7 +92,7 @@ class KVLayout:
             raise ValueError(f"block id out of range [0, {self.num_blocks})")
         device_parts, host_parts, length_parts = [], [], []
         slot_base = host_address + slot_ids * self.slot_bytes
-        for seg in self.segments:
+        for seg in self.segments_of(tensor_indices):
             device_parts.append(tensor_addresses[seg.tensor_index] + seg.offset + block_ids * seg.stride)
             host_parts.append(slot_base + seg.slot_offset)
             length_parts.append(np.full(block_ids.size, seg.nbytes, dtype=np.int64))
@@ -99,6 +101,13 @@ class KVLayout:
         lengths = np.concatenate(length_parts) if length_parts else np.empty(0, np.int64)
         dst, src = (host, device) if to_host else (device, host)
         return coalesce(dst, src, lengths)
+
+
+    def segments_of(self, tensor_indices: Sequence[int] | None) -> tuple[Segment, ...]:
+        if tensor_indices is None:
+            return self.segments
+        wanted = set(tensor_indices)
+        return tuple(seg for seg in self.segments if seg.tensor_index in wanted)
 
 
 def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -75,6 +75,9 @@ class TierManager:
             if config.remote_url else None
         self._remote_queries = ExistenceQueries(self.remote) if self.remote else None
         self._remote_found: dict[str, set[bytes]] = {}  # token -> keys the pool holds for every rank
+        # token -> host slots its lookup counted on for staging disk/pool hits, until it plans or goes
+        # away: another request's lookup does not count on the same slots.
+        self._promised: dict[str, int] = {}
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -93,7 +96,8 @@ class TierManager:
         hits are staged through host slots, so no more of them count than the host
         pool could take at once.
         """
-        local = self._leading_hits(keys, set())
+        self._promised.pop(token, None)  # this lookup replaces the token's previous one
+        local = self._leading_hits(keys, set())[0]
         remote_found: set[bytes] = set()
         if self._remote_queries is not None and token is not None and local < len(keys):
             rest = keys[local:]
@@ -106,22 +110,31 @@ class TierManager:
             remote_found = {key for i, key in enumerate(rest)
                             if all(answer[i * ranks:(i + 1) * ranks]) and not self._recently_failed(key)}
             self._remote_found[token] = remote_found
-        return self._leading_hits(keys, remote_found)
+        hits, staged = self._leading_hits(keys, remote_found)
+        if token is not None and staged:
+            self._promised[token] = staged
+        return hits
 
-    def _leading_hits(self, keys: Sequence[bytes], remote_found: set[bytes]) -> int:
+    def host_hits(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` ready in the host pool (loadable layer by layer)."""
+        return self.host.lookup(keys)
+
+    def _leading_hits(self, keys: Sequence[bytes], remote_found: set[bytes]) -> tuple[int, int]:
+        """(leading hits, how many of them need a host slot to stage through)."""
         hits = staged = 0
+        budget = self.host.num_available - sum(self._promised.values())
         for key in keys:
             if self.host.lookup((key,)):
                 hits += 1
                 continue
             # A key being written to host cannot take a second slot, and is not readable yet.
-            stageable = staged < self.host.num_available and not self.host.contains(key)
+            stageable = staged < budget and not self.host.contains(key)
             if stageable and ((self.disk is not None and self.disk.lookup((key,))) or key in remote_found):
                 hits += 1
                 staged += 1
             else:
                 break
-        return hits
+        return hits, staged
 
     def _recently_failed(self, key: bytes) -> bool:
         expiry = self._failed_remote.get(key)
@@ -143,19 +156,23 @@ class TierManager:
     def forget(self, token: str) -> None:
         """Drop what a lookup remembered for ``token`` (a request that went away)."""
         self._remote_found.pop(token, None)
+        self._promised.pop(token, None)
         if self._remote_queries is not None:
             self._remote_queries.forget(token)
 
     # --- loads --------------------------------------------------------------
-    def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> LoadJob:
+    def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
+                  layerwise: bool = False) -> LoadJob:
         """Plan loading ``keys[i]`` into device block ``block_ids[i]``.
 
         Each block is resolved again here (it may have been evicted since the
         lookup): host hits are pinned; disk and pool hits get a reserved host slot
         (and disk files a pin); from the first block found nowhere on, blocks are
         reported missing, since the engine recomputes from the first failed block.
+        A ``layerwise`` load reads host slots only: anything else is missing.
         """
         remote_found = self._remote_found.pop(req_id, set())
+        self._promised.pop(req_id, None)  # the slots are taken now, or not at all
         ready_blocks, ready_slots, ready_keys = [], [], []
         fill_blocks, fill_slots, fill_keys, fill_from = [], [], [], []
         missing: list[int] = []
@@ -169,7 +186,7 @@ class TierManager:
                 ready_keys.append(key)
                 continue
             source = None
-            if not self.host.contains(key):
+            if not layerwise and not self.host.contains(key):
                 if self.disk is not None and self.disk.lookup((key,)):
                     source = "disk"
                 elif key in remote_found:
@@ -185,7 +202,7 @@ class TierManager:
             fill_keys.append(key)
             fill_from.append(source)
         job = LoadJob(next(self._job_ids), req_id, ready_blocks, ready_slots, ready_keys,
-                      fill_blocks, fill_slots, fill_keys, fill_from, missing)
+                      fill_blocks, fill_slots, fill_keys, fill_from, missing, layerwise)
         self.stats.host_hit_blocks += len(ready_blocks)
         self.stats.disk_hit_blocks += fill_from.count("disk")
         self.stats.remote_hit_blocks += fill_from.count("remote")

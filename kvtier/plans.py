@@ -27,6 +27,7 @@ class LoadJob:
     fill_keys: list[bytes]
     fill_from: list[str] = field(default_factory=list)
     missing_block_ids: list[int] = field(default_factory=list)
+    layerwise: bool = False  # host slots only, each layer copied and awaited on its own
 
     def __post_init__(self):
         if not (len(self.ready_block_ids) == len(self.ready_slot_ids) == len(self.ready_keys)

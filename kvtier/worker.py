@@ -42,6 +42,14 @@ from kvtier.transfer.host_buffer import allocate_host_buffer
 logger = logging.getLogger("kvtier.worker")
 
 
+def _merged(first: TransferResult | None, second: TransferResult) -> TransferResult:
+    """One result for a job made of several transfers (its layers)."""
+    if first is None:
+        return second
+    return TransferResult(second.job_id, first.success and second.success, first.num_bytes + second.num_bytes,
+                          max(first.seconds, second.seconds), first.error or second.error)
+
+
 def tensor_info(tensor: torch.Tensor) -> TensorInfo:
     return TensorInfo(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), tensor.data_ptr())
 
@@ -57,6 +65,9 @@ class _Load:
     usable_keys: list[bytes] = field(default_factory=list)
     abandoned: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    transfers_left: int = 1  # layer-wise: one transfer per layer
+    layer_transfer_ids: dict[int, int] = field(default_factory=dict)
+    copy_result: TransferResult | None = None
 
 
 @dataclass
@@ -66,6 +77,8 @@ class _Store:
     device_reads_done: bool = False  # the device -> host copy finished: the blocks may be reused
     writes_left: int = 0
     reportable: bool = False  # every step finished: report, then the scheduler releases the slots
+    transfers_left: int = 1  # layer-wise: one transfer per layer
+    copy_result: TransferResult | None = None
 
 
 class TierWorker:
@@ -111,7 +124,31 @@ class TierWorker:
         self._finished_early: list[JobReport] = []  # loads finished during wait_for_stores, for the next poll
         self.num_verify_failures = 0
 
+    @property
+    def num_layers(self) -> int:
+        """Layers that can move separately: one per KV tensor (a cross-layer cache has one)."""
+        return len(self.tensors)
+
     # --- loads --------------------------------------------------------------
+    def submit_load_layers(self, job: LoadJob) -> None:
+        """Layer-wise load of host-resident blocks: every layer's copy is submitted now,
+        in layer order, so that layer i can be waited for alone (``wait_for_layer``)."""
+        if job.fill_keys:
+            raise ValueError(f"load job {job.job_id}: a layer-wise load reads only host slots")
+        report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
+        load = _Load(job, report, time.monotonic() + self.config.load_timeout_s, 0, list(job.ready_block_ids),
+                     list(job.ready_slot_ids), list(job.ready_keys), transfers_left=self.num_layers)
+        self._loads[job.job_id] = load
+        for layer in range(self.num_layers):
+            load.layer_transfer_ids[layer] = self._submit_transfer(load.usable_block_ids, load.usable_slot_ids, False,
+                                                                   (True, job.job_id), (layer,))
+
+    def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float = 60.0) -> bool:
+        """Block until ``layer`` of these layer-wise loads is in the device cache."""
+        wanted = {self._loads[j].layer_transfer_ids[layer] for j in load_job_ids
+                  if j in self._loads and layer in self._loads[j].layer_transfer_ids}
+        return self.transfers.wait(wanted, timeout)
+
     def submit_load(self, job: LoadJob) -> None:
         report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
         load = _Load(job, report, time.monotonic() + self.config.load_timeout_s, len(job.fill_keys),
@@ -173,11 +210,16 @@ class TierWorker:
             self._submit_load_copy(load)
 
     def _submit_load_copy(self, load: _Load) -> None:
+        self._submit_transfer(load.usable_block_ids, load.usable_slot_ids, False, (True, load.job.job_id))
+
+    def _submit_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
+                         tensor_indices: tuple[int, ...] | None = None) -> int:
         with self._lock:  # register before submit, so a fast completion always finds its job
-            transfer = TransferJob(np.asarray(load.usable_block_ids, np.int64),
-                                   np.asarray(load.usable_slot_ids, np.int64), False, next(self._transfer_ids))
-            self._job_of_transfer[transfer.job_id] = (True, load.job.job_id)
+            transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
+                                   next(self._transfer_ids), tensor_indices)
+            self._job_of_transfer[transfer.job_id] = owner
         self.transfers.submit(transfer)
+        return transfer.job_id
 
     def _abandon_overdue_loads(self, now: float) -> list[JobReport]:
         abandoned = []
@@ -200,11 +242,16 @@ class TierWorker:
     # --- stores -------------------------------------------------------------
     def submit_store(self, job: StoreJob) -> None:
         self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True))
-        with self._lock:
-            transfer = TransferJob(np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64), True,
-                                   next(self._transfer_ids))
-            self._job_of_transfer[transfer.job_id] = (False, job.job_id)
-        self.transfers.submit(transfer)
+        self._submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id))
+
+    def submit_store_layer(self, job: StoreJob, layer: int) -> None:
+        """Layer-wise store: copy one layer of the job's blocks, once that layer's KV is
+        written (the caller calls this right after the layer's attention)."""
+        store = self._stores.get(job.job_id)
+        if store is None:
+            store = _Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers)
+            self._stores[job.job_id] = store
+        self._submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id), (layer,))
 
     def _after_store_copy(self, store: _Store, result: TransferResult) -> None:
         store.device_reads_done = True  # from here on the device blocks may be reused
@@ -256,10 +303,15 @@ class TierWorker:
         for result in self.transfers.poll():
             with self._lock:
                 is_load, job_id = self._job_of_transfer.pop(result.job_id)
+            job = self._loads[job_id] if is_load else self._stores[job_id]
+            job.copy_result = _merged(job.copy_result, result)
+            job.transfers_left -= 1
+            if job.transfers_left:
+                continue  # layer-wise: more layers to come
             if is_load:
-                finished.append(self._finish_load(self._loads.pop(job_id), result))
+                finished.append(self._finish_load(self._loads.pop(job_id), job.copy_result))
             else:
-                self._after_store_copy(self._stores[job_id], result)
+                self._after_store_copy(job, job.copy_result)
         while True:
             try:
                 store = self._stores[self._writes_done.get_nowait()]

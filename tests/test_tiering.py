@@ -1,10 +1,8 @@
 """The scheduler-side manager and the worker together, as an engine drives them."""
 
-import os
 import random
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -81,7 +79,6 @@ def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk
     engine = Engine(tensors, disk_dir, host_blocks=6, kind="cross_layer" if name == "cross_layer" else None)
     randomize(tensors)
     blocks = [1, 2, 3, 17, 30, 31]
-    expected = {b: [t.view(torch.uint8).clone() for t in tensors] for b in blocks}
     original = [t.clone() for t in tensors]
     engine.store(keys_of(range(6)), blocks)  # written through to disk
     engine.store(keys_of(range(100, 106)), [40, 41, 42, 43, 44, 45])  # evicts all of the first store from host
@@ -207,4 +204,60 @@ def test_a_disk_hit_being_rewritten_to_host_is_not_loaded_twice(disk_dir):
     assert report.success
     engine.run([job], engine.worker.submit_load)  # the all-missing job still reports, and releases nothing it lacks
     assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0
+    engine.close()
+
+
+def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir):
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    engine = Engine(tensors, disk_dir, host_blocks=8)
+    original = [t.clone() for t in tensors]
+    job = engine.manager.plan_store("r", keys_of(range(4)), [1, 2, 3, 4])
+    for layer in reversed(range(engine.worker.num_layers)):  # layers may be stored in any order
+        engine.worker.submit_store_layer(job, layer)
+    reports = []
+    while not reports:
+        reports = engine.worker.poll()
+    engine.manager.on_reports(reports)
+    assert reports[0].success and engine.manager.host.lookup(keys_of(range(4))) == 4
+    for t in tensors:
+        t.zero_()
+    load = engine.manager.plan_load("r", keys_of(range(4)), [10, 11, 12, 13], layerwise=True)
+    engine.worker.submit_load_layers(load)
+    for layer, tensor in enumerate(tensors):
+        assert engine.worker.wait_for_layer([load.job_id], layer, timeout=10)
+        # This layer is in place now, whatever the others are doing.
+        assert torch.equal(tensor[10:14].view(torch.int16), original[layer][1:5].view(torch.int16))
+    reports = []
+    while not reports:
+        reports = engine.worker.poll()
+    engine.manager.on_reports(reports)
+    assert reports[0].success and engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_a_layerwise_load_never_reads_disk(disk_dir):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=1)
+    engine.store(keys_of([1]), [1])
+    engine.store(keys_of([2]), [2])  # key 1 now only on disk
+    job = engine.manager.plan_load("r", keys_of([1]), [5], layerwise=True)
+    assert job.missing_block_ids == [5] and not job.fill_keys
+    engine.run([job], engine.worker.submit_load_layers)
+    engine.close()
+
+
+def test_two_lookups_do_not_count_on_the_same_staging_slots(disk_dir):
+    """Disk hits need host slots to stage through; a lookup's slots are not promised twice."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=2)
+    for ids in ([1, 2], [3, 4], [5, 6]):  # 1-4 end up on disk only; 5, 6 fill the host pool
+        engine.store(keys_of(ids), ids)
+    assert engine.manager.lookup(keys_of([1, 2]), token="a") == 2  # counts on both evictable slots
+    assert engine.manager.lookup(keys_of([3, 4]), token="b") == 0  # nothing left to stage through
+    job = engine.manager.plan_load("a", keys_of([1, 2]), [10, 11])
+    assert not job.missing_block_ids  # what "a" was promised, it got
+    engine.run([job], engine.worker.submit_load)
+    engine.manager.forget("b")
+    assert engine.manager.lookup(keys_of([3, 4]), token="b") == 2  # a's load is done: slots are evictable again
     engine.close()

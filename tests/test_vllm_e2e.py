@@ -5,33 +5,21 @@ computed in one prefill chunk and KV computed in several agree to the last
 decimal that matters and greedy tokens can be compared exactly.
 """
 
-import json
-import os
 import random
-import subprocess
 import time
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.e2e import apps
+
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16}
 
 
-def run_app(tmp_path, name, spec, expect_failure=False):
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps({"engine": ENGINE, **spec}))
-    proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    if expect_failure:
-        assert proc.returncode != 0, "vLLM started although the configuration is invalid"
-        return proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out_path.read_text())
+def run_app(workdir, name, spec, expect_failure=False):
+    return apps.run_app(workdir, name, {"engine": ENGINE, **spec}, expect_failure)
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +172,21 @@ def _prometheus_values(text: str) -> dict[str, float]:
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
             values[name] = values.get(name, 0) + value
     return values
+
+
+def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):
+    """Host hits load layer by layer during the forward; stores go as each layer is written."""
+    extra = {"host_bytes": "64MiB", "disk_dir": None, "layerwise": True, "verify_loads": True}
+    result = run_app(workdir, "layerwise", {"model": model, "connector": "kvtier", "extra": extra, "phases": [
+        {"prompts": [long_prompt()]}, {"prompts": [long_prompt()]},
+        {"prompts": workload()[:20], "mode": "concurrent"}, {"prompts": workload()[:20], "mode": "concurrent"}]})
+    cold, warm = result["phases"][0]["outputs"]["0"], result["phases"][1]["outputs"]["0"]
+    assert warm["cached"] == (1000 // BLOCK) * BLOCK
+    assert warm["tokens"] == cold["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    expected = reference["phases"][1]["outputs"]
+    for phase in result["phases"][2:]:
+        for req_id, out in phase["outputs"].items():
+            assert out["tokens"] == expected[req_id]["tokens"], f"request {req_id} differs"
+    state = result["kvtier"]
+    assert state["stats"]["loaded_blocks"] > 0 and state["verify_failures"] == 0
+    assert state["host_pins"] == 0 and state["pending_jobs"] == 0 and state["worker_jobs_in_flight"] == 0

@@ -61,14 +61,14 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
     source.random_()
     target = torch.zeros(moved_bytes, dtype=torch.uint8)
 
-    def memcpy() -> float:
+    def memcpy(target: torch.Tensor, source: torch.Tensor) -> float:
         began = time.perf_counter()
         target.copy_(source)
         return time.perf_counter() - began
 
     offload, load, plain = [], [], []
     for _ in range(repeats):
-        plain.append(memcpy())
+        plain.append(memcpy(target, source))
         offload.append(timed(True))
         load.append(timed(False))
         if progress:

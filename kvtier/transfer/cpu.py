@@ -39,11 +39,11 @@ class CpuCopier(DeviceCopier):
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kvtier-copy")
 
     def job_bytes(self, job: TransferJob) -> int:
-        return len(job.block_ids) * self._layout.slot_bytes
+        return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         dst, src, lengths = self._layout.copy_runs(
-            self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host)
+            self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host, job.tensor_indices)
         parts = split_by_bytes(lengths, self._num_threads)
         began = time.perf_counter()
         if not parts:

@@ -67,7 +67,7 @@ class CudaCopier(DeviceCopier):
         self._lock = threading.Lock()  # start() may run on I/O threads while poll_done() runs on the engine's
 
     def job_bytes(self, job: TransferJob) -> int:
-        return len(job.block_ids) * self._layout.slot_bytes
+        return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         with self._lock:
@@ -82,7 +82,9 @@ class CudaCopier(DeviceCopier):
                 staging = torch.empty((len(job.block_ids), self._layout.slot_bytes), dtype=torch.uint8,
                                       device=self._device)
                 runs = consecutive_runs(np.asarray(job.slot_ids, dtype=np.int64))
-                if job.to_host:
+                if job.tensor_indices is not None:  # one layer: only its segments of each slot move
+                    self._copy_layer(job, ids, staging)
+                elif job.to_host:
                     for seg, view in zip(self._layout.segments, self._views):
                         staging[:, seg.slot_offset: seg.slot_offset + seg.nbytes].copy_(view.index_select(0, ids))
                     for position, first_slot, count in runs:
@@ -103,6 +105,21 @@ class CudaCopier(DeviceCopier):
             raise
         with self._lock:
             self._in_flight.append(_InFlight(job, stream, event, staging, time.perf_counter(), self.job_bytes(job)))
+
+    def _copy_layer(self, job: TransferJob, ids: torch.Tensor, staging: torch.Tensor) -> None:
+        segments = [(seg, view) for seg, view in zip(self._layout.segments, self._views)
+                    if seg.tensor_index in set(job.tensor_indices)]
+        slot_ids = [int(s) for s in job.slot_ids]
+        for seg, view in segments:
+            columns = slice(seg.slot_offset, seg.slot_offset + seg.nbytes)
+            if job.to_host:
+                staging[:, columns].copy_(view.index_select(0, ids))
+                for position, slot in enumerate(slot_ids):  # a layer's part of a slot is one contiguous run
+                    self._host_slots[slot, columns].copy_(staging[position, columns], non_blocking=True)
+            else:
+                for position, slot in enumerate(slot_ids):
+                    staging[position, columns].copy_(self._host_slots[slot, columns], non_blocking=True)
+                view.index_copy_(0, ids, staging[:, columns])
 
     def poll_done(self) -> list[TransferResult]:
         finished, still = [], []

@@ -30,6 +30,7 @@ class TransferJob:
     slot_ids: np.ndarray
     to_host: bool
     job_id: int = -1  # set by submit when left at -1
+    tensor_indices: tuple[int, ...] | None = None  # only these KV tensors (one layer); None: all
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class TransferEngine:
 
     def submit(self, job: TransferJob) -> int:
         if job.job_id < 0:
-            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids))
+            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices)
         with self._lock:
             self._in_flight.add(job.job_id)
         try:

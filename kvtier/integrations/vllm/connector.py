@@ -50,10 +50,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker_side.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # whole-request loads complete before vLLM schedules the request
+        self._worker_side.wait_for_layer_load(layer_name)  # layer-wise loads only; others finish before scheduling
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return None  # stores are submitted in wait_for_save, after the forward
+        self._worker_side.save_kv_layer(layer_name, self._metadata())  # layer-wise; else stores go in wait_for_save
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise hooks run between layers: CUDA graphs must leave them outside.
+        return bool(KVTierConfig.from_sources(extra_config).layerwise)
 
     def wait_for_save(self) -> None:
         self._worker_side.wait_for_save(self._metadata())

@@ -48,6 +48,7 @@ class SchedulerSide:
         self.manager: TierManager | None = None
         self._requests: dict[str, _RequestState] = {}
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
+        self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
         self._new_loads = []
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
@@ -124,8 +125,14 @@ class SchedulerSide:
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
+        self._layerwise_loads.discard(request.request_id)
         if num_external <= 0:
             return 0, False
+        if self.config.layerwise and hit_tokens % self.block_size == 0 and \
+                self.manager.host_hits(keys[start:hit_blocks]) == hit_blocks - start:
+            # All in host memory: load during the forward, layer by layer (a synchronous load).
+            self._layerwise_loads.add(request.request_id)
+            return num_external, False
         return num_external, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -143,7 +150,9 @@ class SchedulerSide:
         if hit_tokens % self.block_size:
             keys.append(self._partial_key(state, hit_tokens))
         block_ids = state.block_ids[first_block:first_block + len(keys)]
-        job = self.manager.plan_load(request.request_id, keys, block_ids)
+        job = self.manager.plan_load(request.request_id, keys, block_ids,
+                                     layerwise=request.request_id in self._layerwise_loads)
+        self._layerwise_loads.discard(request.request_id)
         self._new_loads.append(job)
         state.num_stored_blocks = max(state.num_stored_blocks, hit_tokens // self.block_size)
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)

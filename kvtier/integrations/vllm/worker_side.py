@@ -28,6 +28,10 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.is_producer = role == "kv_producer"
         self._released_slot_ids: list[int] = []
+        self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
+        self._step_layer_loads: list[int] = []  # this step's layer-wise loads
+        self._layerwise_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
+        self._stored_layers: dict[int, set[int]] = {}  # layer-wise store job -> layers submitted
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
@@ -61,16 +65,48 @@ class WorkerSide:
                 yield job
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._step_layer_loads = []
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
-            self.tier_worker.submit_load(job)
+            if job.layerwise and self.tier_worker.num_layers == len(self._layer_index):
+                # Every layer's copy starts now, in layer order; each layer's attention waits for its own.
+                self.tier_worker.submit_load_layers(job)
+                self._step_layer_loads.append(job.job_id)
+                self._layerwise_load_ids.add(job.job_id)
+            else:
+                self.tier_worker.submit_load(job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._step_layer_loads:
+            # Only this layer: layers after it keep arriving while it computes.
+            self.tier_worker.wait_for_layer(self._step_layer_loads, self._layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        if not self.config.layerwise or not meta.store_jobs or self.tier_worker.num_layers != len(self._layer_index):
+            return
+        layer = self._layer_index[layer_name]
+        # Called right after this layer's attention wrote its KV (on CUDA the copy stream
+        # waits for the compute stream at this point: this layer's compute, not the next).
+        for job in meta.store_jobs:
+            layers = self._stored_layers.setdefault(job.job_id, set())
+            if layer not in layers:
+                layers.add(layer)
+                self.tier_worker.submit_store_layer(job, layer)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         # Called after the step's forward: the KV that these stores read has been written.
         submitted = []
         for job in self._new_jobs(meta.store_jobs):
-            self.tier_worker.submit_store(job)
+            layers = self._stored_layers.pop(job.job_id, None)
+            if layers is None:
+                self.tier_worker.submit_store(job)
+            else:  # layer-wise: layers whose attention did not run are copied now
+                for layer in set(range(self.tier_worker.num_layers)) - layers:
+                    self.tier_worker.submit_store_layer(job, layer)
             submitted.append(job.job_id)
+        if self.config.layerwise and submitted:
+            # Every layer of this step is copied before the next step may overwrite anything.
+            self.tier_worker.wait_for_device_reads(submitted)
         self._send_waits.update(meta.send_waits)
         if self.is_producer and submitted:
             # Prefill/decode hand-off: this step's output (the first token) leaves only once
@@ -90,7 +126,11 @@ class WorkerSide:
             self._reports.append(report)
             self._submitted_job_ids.discard(report.job_id)
             if report.is_load:
-                finished_recving.add(self._load_owner.pop(report.job_id))
+                req_id = self._load_owner.pop(report.job_id)
+                if report.job_id in self._layerwise_load_ids:
+                    self._layerwise_load_ids.discard(report.job_id)  # synchronous: done within its step
+                else:
+                    finished_recving.add(req_id)
                 self._load_error_block_ids.update(report.failed_block_ids)
         self._released_slot_ids += self.tier_worker.released_slots() if self.tier_worker is not None else []
         finished_sending = {req_id for req_id, job_ids in self._send_waits.items()

@@ -1,0 +1,197 @@
+"""``kvtier bench layerwise``: how much of the transfer time hides behind compute.
+
+A synthetic model of ``num_layers`` layers runs on one thread; each layer's compute
+(a matrix product, calibrated to about 1.5 x the layer's transfer time) writes
+that layer's KV for the step's blocks. Measured in the same run:
+- compute alone, transfers alone (one layer at a time), and both together with
+  layer-wise stores (layer i's store submitted as its compute ends) and layer-wise
+  loads (all submitted first; layer i awaited just before its compute);
+- ``overlap_fraction`` = (compute + transfer - together) / transfer, for stores
+  (and ``load_overlap_fraction`` for loads): 1.0 means the transfer is fully hidden;
+- that stored and loaded bytes are exact.
+Then, on a generated model with a pool, a producer's time to first token with
+layer-wise stores and with whole-request stores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.keys import Namespace
+from kvtier.manager import TierManager
+from kvtier.worker import TierWorker
+
+
+def _compute(weight: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """One synthetic layer: a matrix product, then this layer's KV written from its result."""
+    y = torch.tanh(x @ weight)
+    kv.index_fill_(0, block_ids, float(y[0, 0]))
+    return y
+
+
+def _drain(worker: TierWorker, manager: TierManager, count: int) -> list:
+    reports = []
+    while len(reports) < count:
+        reports += worker.poll()
+    manager.on_reports(reports)
+    return reports
+
+
+def run(num_layers: int = 8, num_blocks: int = 256, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
+        repeats: int = 3) -> dict:
+    torch.set_num_threads(1)  # compute on one core, copies on the other
+    device_blocks = num_blocks * 2
+    tensors = [torch.zeros((device_blocks, kv_heads, block_size, 2 * head_size), dtype=torch.bfloat16)
+               for _ in range(num_layers)]
+    config = KVTierConfig.from_sources({"host_bytes": num_blocks * 4 * tensors[0][0].nbytes * num_layers,
+                                        "disk_dir": None, "copy_threads": 1}, environ={})
+    namespace = Namespace("bench-layerwise", "bfloat16", "kv", (kv_heads, head_size), num_layers, block_size)
+    worker = TierWorker(config, tensors, device_blocks, block_size, namespace)
+    manager = TierManager(config, worker.layout.slot_bytes, [worker.rank_fingerprint])
+    block_ids = torch.arange(0, device_blocks, 2)[:num_blocks]  # scattered: every other block
+    layer_bytes = num_blocks * tensors[0][0].nbytes
+
+    # Transfer time of one layer, then a compute of about 1.5 x that per layer.
+    probe = manager.plan_store("probe", [b"probe" + i.to_bytes(11, "little") for i in range(num_blocks)],
+                               block_ids.tolist())
+    began = time.perf_counter()
+    for layer in range(num_layers):
+        worker.submit_store_layer(probe, layer)
+    _drain(worker, manager, 1)
+    per_layer_transfer = (time.perf_counter() - began) / num_layers
+    size = 256
+    while True:
+        weight, x = torch.randn(size, size), torch.randn(size, size)
+        began = time.perf_counter()
+        for _ in range(3):
+            _compute(weight, x, tensors[0], block_ids)
+        if (time.perf_counter() - began) / 3 >= 1.5 * per_layer_transfer or size >= 4096:
+            break
+        size = int(size * 1.25)
+    weights = [torch.randn(size, size) / size ** 0.5 for _ in range(num_layers)]
+
+    def compute_all(after_layer=None, before_layer=None):
+        h = x
+        for layer in range(num_layers):
+            if before_layer:
+                before_layer(layer)
+            h = _compute(weights[layer], h, tensors[layer], block_ids)
+            if after_layer:
+                after_layer(layer)
+
+    results = {"compute": [], "store": [], "store_overlapped": [], "load": [], "load_overlapped": []}
+    exact = True
+    for round_ in range(repeats):
+        keys = [(round_ * 10_000 + i).to_bytes(16, "little") for i in range(num_blocks)]
+        began = time.perf_counter()
+        compute_all()
+        results["compute"].append(time.perf_counter() - began)
+
+        job = manager.plan_store("s", keys, block_ids.tolist())
+        began = time.perf_counter()
+        for layer in range(num_layers):
+            worker.submit_store_layer(job, layer)
+        worker.wait_for_device_reads([job.job_id])
+        results["store"].append(time.perf_counter() - began)
+        _drain(worker, manager, 1)
+
+        overlapped = manager.plan_store("s", [k + b"o" for k in keys], block_ids.tolist())
+        began = time.perf_counter()
+        compute_all(after_layer=lambda layer: worker.submit_store_layer(overlapped, layer))
+        worker.wait_for_device_reads([overlapped.job_id])
+        results["store_overlapped"].append(time.perf_counter() - began)
+        _drain(worker, manager, 1)
+        expected = [t[block_ids].clone() for t in tensors]  # what the last compute wrote, now stored
+
+        load = manager.plan_load("l", [k + b"o" for k in keys], block_ids.tolist(), layerwise=True)
+        began = time.perf_counter()
+        worker.submit_load_layers(load)
+        for layer in range(num_layers):
+            worker.wait_for_layer([load.job_id], layer)
+        results["load"].append(time.perf_counter() - began)
+        _drain(worker, manager, 1)
+        exact &= all(torch.equal(t[block_ids].view(torch.int16), e.view(torch.int16))
+                     for t, e in zip(tensors, expected))
+
+        load = manager.plan_load("l", [k + b"o" for k in keys], block_ids.tolist(), layerwise=True)
+        began = time.perf_counter()
+        worker.submit_load_layers(load)
+        compute_all(before_layer=lambda layer: worker.wait_for_layer([load.job_id], layer))
+        results["load_overlapped"].append(time.perf_counter() - began)
+        _drain(worker, manager, 1)
+    worker.close()
+    best = {name: min(times) for name, times in results.items()}
+
+    def overlap(transfer, together):
+        return float(np.clip((best["compute"] + best[transfer] - best[together]) / best[transfer], 0.0, 1.0))
+
+    return {
+        "num_layers": num_layers, "layer_bytes": layer_bytes,
+        "per_layer_compute_ms": best["compute"] / num_layers * 1000,
+        "per_layer_store_ms": best["store"] / num_layers * 1000,
+        "per_layer_load_ms": best["load"] / num_layers * 1000,
+        "compute_s": best["compute"], "store_s": best["store"], "store_overlapped_s": best["store_overlapped"],
+        "load_s": best["load"], "load_overlapped_s": best["load_overlapped"],
+        "overlap_fraction": overlap("store", "store_overlapped"),
+        "load_overlap_fraction": overlap("load", "load_overlapped"),
+        "exact": bool(exact),
+    }
+
+
+def producer_ttft(workdir: Path, quick: bool) -> dict:
+    from kvtier.demo.model import make_model
+    from kvtier.servers import local_mooncake
+
+    size = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2) if quick else \
+        dict(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4)
+    model = str(make_model(workdir / f"model-{size['num_layers']}x{size['hidden_size']}", **size))
+    rng = random.Random(5)
+    result = {}
+    with local_mooncake(storage="4GB") as server:
+        for mode in ("layerwise", "whole"):
+            tokens = [rng.randrange(3, 2000) for _ in range(1000 if quick else 4000)]
+            spec = {"model": model, "connector": "kvtier", "engine": {"max_model_len": 8192, "role": "kv_producer"},
+                    "extra": {"remote_url": server.url, "disk_dir": None, "host_bytes": "1GiB",
+                              "layerwise": mode == "layerwise"},
+                    "phases": [{"prompts": [tokens], "max_tokens": 1}]}
+            spec_path, out_path = workdir / f"producer-{mode}.spec.json", workdir / f"producer-{mode}.out.json"
+            spec_path.write_text(json.dumps(spec))
+            with open(workdir / f"producer-{mode}.log", "w") as log:
+                subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)],
+                               stdout=log, stderr=subprocess.STDOUT, check=True)
+            result[f"producer_ttft_{mode}_s"] = json.loads(out_path.read_text())["phases"][0]["ttft_s"][0]
+    return result
+
+
+def main(args) -> dict:
+    result = run(num_layers=4 if args.quick else 8, num_blocks=64 if args.quick else 256)
+    if not args.no_engine:
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result.update(producer_ttft(workdir, args.quick))
+    if not args.json:
+        from kvtier.cli import _print_table
+        rows = [("per-layer compute / store / load", f"{result['per_layer_compute_ms']:.2f} / "
+                 f"{result['per_layer_store_ms']:.2f} / {result['per_layer_load_ms']:.2f} ms"),
+                ("stores: compute + transfer, separately vs together",
+                 f"{result['compute_s'] + result['store_s']:.3f} s vs {result['store_overlapped_s']:.3f} s"),
+                ("store overlap_fraction", f"{result['overlap_fraction']:.2f}"),
+                ("loads: compute + transfer, separately vs together",
+                 f"{result['compute_s'] + result['load_s']:.3f} s vs {result['load_overlapped_s']:.3f} s"),
+                ("load overlap_fraction", f"{result['load_overlap_fraction']:.2f}"),
+                ("stored and loaded bytes exact", str(result["exact"]))]
+        if "producer_ttft_layerwise_s" in result:
+            rows += [("producer TTFT, layer-wise stores", f"{result['producer_ttft_layerwise_s']:.3f} s"),
+                     ("producer TTFT, whole-request stores", f"{result['producer_ttft_whole_s']:.3f} s")]
+        _print_table(f"kvtier bench layerwise ({result['num_layers']} layers, "
+                     f"{result['layer_bytes'] / 2**20:.0f} MiB per layer)", rows)
+    return result

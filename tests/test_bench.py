@@ -1,0 +1,23 @@
+"""The benchmarks' engine-free parts run, check their bytes, and report the keys
+they promise. Speed is reported by them, never asserted here."""
+
+import json
+import subprocess
+import sys
+
+from kvtier.bench import layerwise
+
+
+def test_bench_transfer_reports_every_promised_key(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--gib", "0.02", "--repeats", "1",
+                          "--disk-dir", str(tmp_path), "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    for key in ("offload_gbps", "load_gbps", "memcpy_gbps", "disk_write_gbps", "disk_read_gbps",
+                "file_write_gbps", "file_read_gbps", "hash_tokens_per_s"):
+        assert result[key] > 0, key
+
+
+def test_bench_layerwise_moves_exact_bytes_and_reports_the_overlap():
+    result = layerwise.run(num_layers=3, num_blocks=16, repeats=1)
+    assert result["exact"]
+    assert 0.0 <= result["overlap_fraction"] <= 1.0 and 0.0 <= result["load_overlap_fraction"] <= 1.0
