@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     layerwise.add_argument("--json", action="store_true")
     layerwise.set_defaults(run=lambda args: __import__("kvtier.bench.layerwise", fromlist=["x"]).main(args))
 
+    broadcast = benches.add_parser("broadcast", help="tensor-parallel sharded broadcast vs one broadcast")
+    broadcast.add_argument("--shard-blocks", type=int, default=16)
+    broadcast.add_argument("--quick", action="store_true")
+    broadcast.add_argument("--json", action="store_true")
+    broadcast.set_defaults(run=lambda args: __import__("kvtier.bench.broadcast", fromlist=["x"]).main(args))
+
     demo = commands.add_parser("demo", help="vLLM with kvtier on long shared prefixes: cold, warm, after restart")
     demo.add_argument("--workdir", default="kvtier-out/demo")
     demo.add_argument("--quick", action="store_true", help="a smaller model and workload")

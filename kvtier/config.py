@@ -165,6 +165,13 @@ KEYS: dict[str, _Key] = {
         False, _parse_bool, lambda v: True, "true or false",
         "Move KV layer by layer, overlapped with the model's compute: host hits load during the "
         "forward (each layer waited for alone), stores start as each layer's KV is written."),
+    "save_only_first_rank": _Key(
+        False, _parse_bool, lambda v: True, "true or false",
+        "Tensor parallelism with KV that every rank holds alike (MLA; one replicated KV head): only rank 0 "
+        "stores, and on a hit rank 0 reads and broadcasts to the other ranks in shards."),
+    "broadcast_shard_blocks": _Key(
+        16, _parse_int, lambda v: 1 <= v <= 1_000_000, "an integer from 1 to 1000000",
+        "Blocks per broadcast shard: about 2 shards of receive buffers are alive on a rank at once."),
     "model_id": _Key(
         None, _parse_optional_str, lambda v: True, "a string, or null to take the engine's model name",
         "Model identity mixed into every key; set it when two different models share a name or path."),
@@ -191,6 +198,8 @@ class KVTierConfig:
     load_failure_policy: str
     verify_loads: bool
     layerwise: bool
+    save_only_first_rank: bool
+    broadcast_shard_blocks: int
     model_id: str | None
     config_file: str | None
 

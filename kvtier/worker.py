@@ -65,6 +65,7 @@ class _Load:
     usable_keys: list[bytes] = field(default_factory=list)
     abandoned: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    fills_settled: threading.Event = field(default_factory=threading.Event)  # every fill landed, failed or abandoned
     transfers_left: int = 1  # layer-wise: one transfer per layer
     layer_transfer_ids: dict[int, int] = field(default_factory=dict)
     copy_result: TransferResult | None = None
@@ -83,13 +84,24 @@ class _Store:
 
 class TierWorker:
     def __init__(self, config: KVTierConfig, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                 namespace: Namespace, tp_rank: int = 0, layout_kind: str | None = None):
+                 namespace: Namespace, tp_rank: int = 0, layout_kind: str | None = None, broadcast_group=None):
         self.config = config
         self.tensors = list(tensors)  # kept alive: copies use their addresses
         self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
                                               layout_kind)
         device_layout = f"{self.layout.kind}{list(self.layout.block_shape)}{self.tensors[0].dtype}"
-        self.rank_fingerprint = namespace.for_rank(tp_rank, device_layout).fingerprint()
+        # Replicated KV (save_only_first_rank): every rank's blocks are rank 0's, stored once, by rank 0.
+        replicated = config.save_only_first_rank and broadcast_group is not None
+        self.is_source = not replicated or tp_rank == 0
+        self.rank_fingerprint = namespace.for_rank(0 if replicated else tp_rank, device_layout).fingerprint()
+        self._broadcaster = None
+        if replicated:
+            from kvtier.transfer.broadcast import ShardedBroadcaster
+            self._broadcaster = ShardedBroadcaster(self.layout, self.tensors, broadcast_group,
+                                                   config.broadcast_shard_blocks)
+            # One thread: every rank enters the collectives of its load jobs in the same (job) order.
+            self._broadcast_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-broadcast")
+            self._broadcast_done: queue.SimpleQueue[JobReport] = queue.SimpleQueue()
         self.num_slots = num_host_slots(config.host_bytes, self.layout.slot_bytes)
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
@@ -150,11 +162,18 @@ class TierWorker:
         return self.transfers.wait(wanted, timeout)
 
     def submit_load(self, job: LoadJob) -> None:
+        if self._broadcaster is not None and not self.is_source:
+            # Not rank 0: the blocks come from rank 0's broadcast, never from the tiers.
+            self._broadcast_thread.submit(self._receive_broadcast, job)
+            return
         report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
         load = _Load(job, report, time.monotonic() + self.config.load_timeout_s, len(job.fill_keys),
                      list(job.ready_block_ids), list(job.ready_slot_ids), list(job.ready_keys))
         self._loads[job.job_id] = load
+        if self._broadcaster is not None:
+            self._broadcast_thread.submit(self._send_broadcast, load)  # queued now: job order on every rank
         if not job.fill_keys:
+            load.fills_settled.set()
             self._submit_load_copy(load)
             return
         fills = list(zip(job.fill_block_ids, job.fill_slot_ids, job.fill_keys, job.fill_from))
@@ -203,6 +222,8 @@ class TierWorker:
                     load.report.bad_keys.append(key)
             load.fills_left -= len(outcomes)
             last, abandoned = load.fills_left == 0, load.abandoned
+            if last:
+                load.fills_settled.set()
         if last and abandoned:  # the late reads are over: the held slots may now be reused
             for slot_id in load.job.fill_slot_ids:
                 self._released.put(slot_id)
@@ -228,6 +249,7 @@ class TierWorker:
                 if load.fills_left == 0 or now < load.deadline:
                     continue
                 load.abandoned = True
+                load.fills_settled.set()  # a broadcast waiting on these fills sends without them
             logger.warning("kvtier: load job %d not filled in %.1f s; its blocks will be recomputed", job_id,
                            self.config.load_timeout_s)
             del self._loads[job_id]
@@ -239,14 +261,44 @@ class TierWorker:
             abandoned.append(report)
         return abandoned
 
+    def _send_broadcast(self, load: _Load) -> None:
+        """Rank 0, on the broadcast thread: once its fills have landed, send every block it has."""
+        load.fills_settled.wait()
+        job = load.job
+        order = job.ready_block_ids + job.fill_block_ids  # the same list on every rank
+        slots = job.ready_slot_ids + job.fill_slot_ids
+        with load.lock:
+            usable = set(load.usable_block_ids) if not load.abandoned else set(job.ready_block_ids)
+        available = np.array([block in usable for block in order], dtype=bool)
+        result = self._broadcaster.load(order, self._host_slots[slots], available)
+        if not result.ok:
+            logger.warning("kvtier: broadcast of load job %d fell back to recompute on every rank", job.job_id)
+
+    def _receive_broadcast(self, job: LoadJob) -> None:
+        """Other ranks, on the broadcast thread: take rank 0's blocks into the KV cache."""
+        order = job.ready_block_ids + job.fill_block_ids
+        result = self._broadcaster.load(order, None, None)
+        missing = [block for block, got in zip(order, result.received) if not got]
+        self._broadcast_done.put(JobReport(job.job_id, is_load=True, success=not missing and not job.missing_block_ids,
+                                           failed_block_ids=missing + list(job.missing_block_ids),
+                                           seconds=result.seconds))
+
     # --- stores -------------------------------------------------------------
     def submit_store(self, job: StoreJob) -> None:
+        if not self.is_source:  # replicated KV: rank 0 stores it once for every rank
+            self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True),
+                                              device_reads_done=True, reportable=True)
+            return
         self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True))
         self._submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id))
 
     def submit_store_layer(self, job: StoreJob, layer: int) -> None:
         """Layer-wise store: copy one layer of the job's blocks, once that layer's KV is
         written (the caller calls this right after the layer's attention)."""
+        if not self.is_source:
+            if job.job_id not in self._stores:
+                self.submit_store(job)  # replicated KV: nothing to copy here
+            return
         store = self._stores.get(job.job_id)
         if store is None:
             store = _Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers)
@@ -325,6 +377,9 @@ class TierWorker:
         """Jobs finished since the last call, each exactly once."""
         finished, self._finished_early = self._finished_early, []
         finished += self._advance() + self._abandon_overdue_loads(time.monotonic())
+        if self._broadcaster is not None:
+            while not self._broadcast_done.empty():
+                finished.append(self._broadcast_done.get_nowait())
         for job_id in [job_id for job_id, store in self._stores.items() if store.reportable]:
             finished.append(self._stores.pop(job_id).report)
         return finished
@@ -401,6 +456,8 @@ class TierWorker:
         return len(self._loads) + len(self._stores)
 
     def close(self) -> None:
+        if self._broadcaster is not None:
+            self._broadcast_thread.shutdown(wait=False, cancel_futures=True)
         self.transfers.close()
         self._io.shutdown(wait=True)
         self._remote_io.shutdown(wait=True)

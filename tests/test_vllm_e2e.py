@@ -18,8 +18,8 @@ BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16}
 
 
-def run_app(workdir, name, spec, expect_failure=False):
-    return apps.run_app(workdir, name, {"engine": ENGINE, **spec}, expect_failure)
+def run_app(workdir, name, spec, expect_failure=False, env=None):
+    return apps.run_app(workdir, name, {"engine": ENGINE, **spec}, expect_failure, env)
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +190,25 @@ def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):
     state = result["kvtier"]
     assert state["stats"]["loaded_blocks"] > 0 and state["verify_failures"] == 0
     assert state["host_pins"] == 0 and state["pending_jobs"] == 0 and state["worker_jobs_in_flight"] == 0
+
+
+def test_tensor_parallel_replicated_kv_is_stored_once_and_broadcast(workdir, model):
+    """tensor_parallel_size=2 with one KV head (vLLM replicates it): rank 0 stores, and on a
+    hit reads and broadcasts to rank 1 in shards. Outputs equal the same engine's own
+    computed outputs (TP=2 rounds differently from TP=1, so that is the reference)."""
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "tp_disk"), "save_only_first_rank": True,
+             "broadcast_shard_blocks": 4}
+    engine = {**ENGINE, "tensor_parallel_size": 2}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    first = run_app(workdir, "tp", {"model": model, "connector": "kvtier", "extra": extra, "engine": engine,
+                                    "phases": [{"prompts": [long_prompt()]}, {"prompts": [long_prompt()]}]}, env=env)
+    restarted = run_app(workdir, "tp-restart", {"model": model, "connector": "kvtier", "extra": extra,
+                                                "engine": engine, "phases": [{"prompts": [long_prompt()]}]}, env=env)
+    cold, warm = first["phases"][0]["outputs"]["0"], first["phases"][1]["outputs"]["0"]
+    disk = restarted["phases"][0]["outputs"]["0"]
+    full = (1000 // BLOCK) * BLOCK
+    assert cold["cached"] == 0 and warm["cached"] == full and disk["cached"] == full
+    assert warm["tokens"] == cold["tokens"] and disk["tokens"] == cold["tokens"]
+    assert first["kvtier"]["stats"]["failed_load_blocks"] == 0 and first["kvtier"]["host_pins"] == 0
+    # Stored once, by rank 0: one directory of entries, not one per rank.
+    assert len([d for d in (workdir / "tp_disk").iterdir() if d.is_dir()]) == 1

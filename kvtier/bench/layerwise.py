@@ -1,8 +1,9 @@
 """``kvtier bench layerwise``: how much of the transfer time hides behind compute.
 
 A synthetic model of ``num_layers`` layers runs on one thread; each layer's compute
-(a matrix product, calibrated to about 1.5 x the layer's transfer time) writes
-that layer's KV for the step's blocks. Measured in the same run:
+(a matrix product, calibrated to at least 1.5 x the layer's transfer time) writes
+that layer's KV for the step's blocks. The last layer's store has no compute after
+it to hide behind, so at most (layers - 1) / layers of the store time can be hidden. Measured in the same run:
 - compute alone, transfers alone (one layer at a time), and both together with
   layer-wise stores (layer i's store submitted as its compute ends) and layer-wise
   loads (all submitted first; layer i awaited just before its compute);
@@ -46,8 +47,8 @@ def _drain(worker: TierWorker, manager: TierManager, count: int) -> list:
     return reports
 
 
-def run(num_layers: int = 8, num_blocks: int = 256, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
-        repeats: int = 3) -> dict:
+def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
+        repeats: int = 5) -> dict:
     torch.set_num_threads(1)  # compute on one core, copies on the other
     device_blocks = num_blocks * 2
     tensors = [torch.zeros((device_blocks, kv_heads, block_size, 2 * head_size), dtype=torch.bfloat16)
@@ -60,23 +61,27 @@ def run(num_layers: int = 8, num_blocks: int = 256, kv_heads: int = 4, block_siz
     block_ids = torch.arange(0, device_blocks, 2)[:num_blocks]  # scattered: every other block
     layer_bytes = num_blocks * tensors[0][0].nbytes
 
-    # Transfer time of one layer, then a compute of about 1.5 x that per layer.
-    probe = manager.plan_store("probe", [b"probe" + i.to_bytes(11, "little") for i in range(num_blocks)],
-                               block_ids.tolist())
-    began = time.perf_counter()
-    for layer in range(num_layers):
-        worker.submit_store_layer(probe, layer)
-    _drain(worker, manager, 1)
-    per_layer_transfer = (time.perf_counter() - began) / num_layers
-    size = 256
-    while True:
+    # Transfer time of one layer (warm: the first round pays one-time costs), then a
+    # compute of about 1.5 x that per layer.
+    per_layer_transfer = float("inf")
+    for probe_round in range(3):
+        probe = manager.plan_store("probe", [b"probe" + bytes([probe_round]) + i.to_bytes(10, "little")
+                                             for i in range(num_blocks)], block_ids.tolist())
+        began = time.perf_counter()
+        for layer in range(num_layers):
+            worker.submit_store_layer(probe, layer)
+        worker.wait_for_device_reads([probe.job_id])
+        per_layer_transfer = min(per_layer_transfer, (time.perf_counter() - began) / num_layers)
+        _drain(worker, manager, 1)
+    x = torch.randn(64, 64)
+    for size in range(64, 4097, 32):
         weight, x = torch.randn(size, size), torch.randn(size, size)
+        _compute(weight, x, tensors[0], block_ids)  # warm-up
         began = time.perf_counter()
         for _ in range(3):
             _compute(weight, x, tensors[0], block_ids)
-        if (time.perf_counter() - began) / 3 >= 1.5 * per_layer_transfer or size >= 4096:
+        if (time.perf_counter() - began) / 3 >= 1.5 * per_layer_transfer:
             break
-        size = int(size * 1.25)
     weights = [torch.randn(size, size) / size ** 0.5 for _ in range(num_layers)]
 
     def compute_all(after_layer=None, before_layer=None):
@@ -173,7 +178,7 @@ def producer_ttft(workdir: Path, quick: bool) -> dict:
 
 
 def main(args) -> dict:
-    result = run(num_layers=4 if args.quick else 8, num_blocks=64 if args.quick else 256)
+    result = run(num_layers=4 if args.quick else 16, num_blocks=32 if args.quick else 128)
     if not args.no_engine:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)

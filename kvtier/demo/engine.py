@@ -46,4 +46,8 @@ def kvtier_sides(llm):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return scheduler._scheduler_side, get_kv_transfer_group()._worker_side
+    try:
+        worker = get_kv_transfer_group()._worker_side
+    except AssertionError:  # tensor parallel: the workers are other processes
+        worker = None
+    return scheduler._scheduler_side, worker

@@ -88,12 +88,14 @@ def kvtier_state(llm) -> dict:
         "host_evictions": manager.host.num_evictions,
         "disk_pins": manager.disk.num_pins if manager.disk else 0,
         "pending_jobs": manager.num_pending,
-        "worker_jobs_in_flight": worker.tier_worker.num_jobs_in_flight,
-        "transfers_in_flight": worker.tier_worker.transfers.num_in_flight,
-        "open_send_waits": worker.num_send_waits,
         "tracked_requests": scheduler.num_tracked_requests,
-        "verify_failures": worker.tier_worker.num_verify_failures,
         "stats": vars(manager.stats).copy(),
+        **({} if worker is None else {  # None: tensor parallel, the workers are other processes
+            "worker_jobs_in_flight": worker.tier_worker.num_jobs_in_flight,
+            "transfers_in_flight": worker.tier_worker.transfers.num_in_flight,
+            "open_send_waits": worker.num_send_waits,
+            "verify_failures": worker.tier_worker.num_verify_failures,
+        }),
     }
 
 

@@ -19,10 +19,12 @@ def split_by_bytes(lengths: np.ndarray, num_parts: int) -> list[slice]:
     """Cut a run list into at most ``num_parts`` consecutive parts of about equal bytes."""
     if lengths.size == 0:
         return []
+    if num_parts <= 1 or lengths.size == 1:
+        return [slice(0, int(lengths.size))]  # the common case on the hot path: nothing to compute
     ends = np.cumsum(lengths)
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, num_parts) / num_parts, side="right")
-    bounds = np.unique(np.concatenate(([0], cuts, [lengths.size])))
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    bounds = sorted({0, int(lengths.size), *(int(c) for c in cuts)})
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 class CpuCopier(DeviceCopier):

@@ -65,8 +65,9 @@ class SchedulerSide:
         sizes = {metadata[r].slot_bytes for r in ranks}
         if sizes != {self.geometry.slot_bytes}:
             raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {self.geometry.slot_bytes}")
-        self.manager = TierManager(self.config, self.geometry.slot_bytes,
-                                   [metadata[r].rank_fingerprint for r in ranks], self.geometry.tp_rank_count)
+        # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
+        fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
+        self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count)
         logger.info("kvtier: %d host slots, disk %s, layout %s", self.manager.host.num_slots,
                     self.config.disk_dir or "off", metadata[0].layout)
 
@@ -128,7 +129,7 @@ class SchedulerSide:
         self._layerwise_loads.discard(request.request_id)
         if num_external <= 0:
             return 0, False
-        if self.config.layerwise and hit_tokens % self.block_size == 0 and \
+        if self.config.layerwise and not self.config.save_only_first_rank and hit_tokens % self.block_size == 0 and \
                 self.manager.host_hits(keys[start:hit_blocks]) == hit_blocks - start:
             # All in host memory: load during the forward, layer by layer (a synchronous load).
             self._layerwise_loads.add(request.request_id)

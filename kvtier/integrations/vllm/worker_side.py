@@ -44,8 +44,18 @@ class WorkerSide:
         if missing:
             raise ValueError(f"kvtier: vLLM gave no KV cache for layers {missing[:4]}")
         tensors = [kv_caches[name] for name in self.geometry.layer_names]
+        broadcast_group = None
+        if self.config.save_only_first_rank and self.geometry.tp_size > 1:
+            import torch.distributed as dist
+            from vllm.distributed.parallel_state import get_tp_group
+
+            if self.geometry.tp_rank_count != self.geometry.tp_size:
+                raise ValueError("kvtier config: key 'save_only_first_rank' supports tensor parallelism without "
+                                 "pipeline parallelism")
+            # kvtier's own group: its collectives run on kvtier's thread, never interleaved with vLLM's.
+            broadcast_group = dist.new_group(get_tp_group().ranks, backend="gloo")
         self.tier_worker = TierWorker(self.config, tensors, self.geometry.num_blocks, self.geometry.block_size,
-                                      self.geometry.namespace, self.tp_rank)
+                                      self.geometry.namespace, self.tp_rank, broadcast_group=broadcast_group)
         if self.tier_worker.layout.slot_bytes != self.geometry.slot_bytes:
             raise ValueError(f"kvtier: KV cache layout {self.tier_worker.layout.kind} holds "
                              f"{self.tier_worker.layout.slot_bytes} bytes per block, vLLM's spec says "

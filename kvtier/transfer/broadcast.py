@@ -1,0 +1,110 @@
+"""Tensor parallelism with replicated KV: rank 0 reads, then broadcasts in shards.
+
+When every rank holds the same KV (MLA models; one KV head replicated by the
+engine), storing it once is enough. On a hit, rank 0 has the blocks in its host
+slots and sends them to the other ranks in shards of ``shard_blocks`` blocks:
+
+    for shard i:  start broadcast of shard i+1   (async)
+                  wait for shard i, copy it into the KV cache, drop its buffer
+
+so shard i+1 travels while shard i is copied, and at most two shard buffers are
+alive on a rank, whatever the prompt's length.
+
+Every rank makes the same collective calls in the same order, on a process group
+of kvtier's own (never the engine's, whose collectives run on another thread):
+first rank 0 broadcasts which blocks it has; then all ranks agree, with one
+all-reduce, that each of them is ready; only then do the shards move. A failure
+anywhere (rank 0 missing blocks, a rank unable to take part) makes every rank
+fall back to recompute together; no rank skips or substitutes a collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvtier._native import copy_runs
+from kvtier.layout import KVLayout
+
+
+@dataclass
+class BroadcastResult:
+    ok: bool  # all ranks agreed and every shard arrived
+    received: np.ndarray  # bool per block: which blocks this rank now has in its KV cache
+    peak_buffer_bytes: int  # the most shard-buffer bytes alive at once on this rank
+    seconds: float
+
+
+class ShardedBroadcaster:
+    """Runs on every rank, on its own thread; ``load`` is a collective call."""
+
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], group, shard_blocks: int,
+                 src_rank: int = 0):
+        self.layout = layout
+        self.tensors = list(tensors)  # kept alive: copies use their addresses
+        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.group = group
+        self.shard_blocks = shard_blocks
+        self.src_rank = src_rank
+        self.rank = dist.get_rank(group)
+
+    def load(self, block_ids: Sequence[int], source_slots: np.ndarray | None, available: np.ndarray | None,
+             ready: bool = True) -> BroadcastResult:
+        """Deliver ``block_ids`` (the same list on every rank) into every rank's KV cache.
+
+        On rank 0, ``source_slots`` is a ``[num_blocks, slot_bytes]`` uint8 view of the
+        host slots holding them and ``available`` marks which of them it has;
+        other ranks pass None. ``ready`` is this rank's own ability to take part.
+        """
+        began = time.perf_counter()
+        n = len(block_ids)
+        # 1. Which blocks rank 0 has: every rank learns the same mask.
+        mask = torch.zeros(n, dtype=torch.uint8)
+        if self.rank == self.src_rank:
+            mask[:] = torch.from_numpy(np.asarray(available, dtype=np.uint8))
+        dist.broadcast(mask, self.src_rank, group=self.group)
+        # 2. Agreement: all ranks ready, or all fall back.
+        flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        received = np.zeros(n, dtype=bool)
+        if int(flag.item()) == 0:
+            return BroadcastResult(False, received, 0, time.perf_counter() - began)
+        sendable = np.flatnonzero(mask.numpy().astype(bool))  # same on every rank
+        shards = [sendable[i:i + self.shard_blocks] for i in range(0, len(sendable), self.shard_blocks)]
+        slot_bytes = self.layout.slot_bytes
+        live_bytes = peak = 0
+        pending: list[tuple[np.ndarray, torch.Tensor, object]] = []
+
+        def post(shard: np.ndarray):
+            nonlocal live_bytes, peak
+            if self.rank == self.src_rank:
+                # Rank 0 sends straight from its host slots when they are one contiguous run.
+                buffer = torch.from_numpy(np.ascontiguousarray(source_slots[shard]))
+            else:
+                buffer = torch.empty((len(shard), slot_bytes), dtype=torch.uint8)
+            live_bytes += buffer.numel()
+            peak = max(peak, live_bytes)
+            work = dist.broadcast(buffer, self.src_rank, group=self.group, async_op=True)
+            pending.append((shard, buffer, work))
+
+        if shards:
+            post(shards[0])
+        for i in range(len(shards)):
+            if i + 1 < len(shards):
+                post(shards[i + 1])  # the next shard travels while this one is copied
+            shard, buffer, work = pending.pop(0)
+            work.wait()  # the buffer is complete (and, on rank 0, no longer read) only now
+            if self.rank != self.src_rank:
+                ids = np.asarray(block_ids, dtype=np.int64)[shard]
+                dst, src, lengths = self.layout.copy_runs(self.addresses, buffer.data_ptr(), ids,
+                                                          np.arange(len(shard)), to_host=False)
+                copy_runs.copy(dst, src, lengths)
+            received[shard] = True
+            live_bytes -= buffer.numel()
+            del buffer  # released as soon as its copy is done: at most two shards alive
+        return BroadcastResult(True, received, peak, time.perf_counter() - began)
