@@ -184,11 +184,23 @@ class TierWorker:
         if from_remote:
             self._remote_io.submit(self._fill_from_remote, load, from_remote)
 
+    # Every task on an I/O thread ends in an outcome, whatever it raises: an executor
+    # swallows exceptions, and a task that never reports would hold its pins for good.
     def _fill_from_disk(self, load: _Load, block_id: int, slot_id: int, key: bytes) -> None:
-        why = self.disk.read_into(key, memoryview(self._host_slots[slot_id])) if self.disk else "no disk tier"
+        try:
+            why = self.disk.read_into(key, memoryview(self._host_slots[slot_id])) if self.disk else "no disk tier"
+        except Exception as error:
+            why = f"read failed: {error!r}"
         self._filled(load, [(block_id, slot_id, key, why)])
 
     def _fill_from_remote(self, load: _Load, fills: list[tuple[int, int, bytes]]) -> None:
+        try:
+            outcomes = self._read_remote(fills)
+        except Exception as error:
+            outcomes = [(block_id, slot_id, key, f"read failed: {error!r}") for block_id, slot_id, key in fills]
+        self._filled(load, outcomes)
+
+    def _read_remote(self, fills: list[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes, str | None]]:
         names = [remote_key(self.rank_fingerprint, key) for _, _, key in fills]
         headers = [memoryview(self._headers[slot]) for _, slot, _ in fills]
         payloads = [memoryview(self._host_slots[slot]) for _, slot, _ in fills]
@@ -203,7 +215,7 @@ class TierWorker:
                 why = check_entry(bytes(self._headers[slot_id]), self._host_slots[slot_id], self.rank_fingerprint,
                                   key, self.layout.slot_bytes)
             outcomes.append((block_id, slot_id, key, why))
-        self._filled(load, outcomes)
+        return outcomes
 
     def _filled(self, load: _Load, outcomes: list[tuple[int, int, bytes, str | None]]) -> None:
         """Runs on I/O threads when fills have landed (or failed) in their slots."""
@@ -270,18 +282,26 @@ class TierWorker:
         with load.lock:
             usable = set(load.usable_block_ids) if not load.abandoned else set(job.ready_block_ids)
         available = np.array([block in usable for block in order], dtype=bool)
-        result = self._broadcaster.load(order, self._host_slots[slots], available)
+        try:
+            result = self._broadcaster.load(order, self._host_slots[slots], available)
+        except Exception as error:  # the other ranks report their blocks as failed
+            logger.error("kvtier: broadcast of load job %d failed: %r", job.job_id, error)
+            return
         if not result.ok:
             logger.warning("kvtier: broadcast of load job %d fell back to recompute on every rank", job.job_id)
 
     def _receive_broadcast(self, job: LoadJob) -> None:
         """Other ranks, on the broadcast thread: take rank 0's blocks into the KV cache."""
         order = job.ready_block_ids + job.fill_block_ids
-        result = self._broadcaster.load(order, None, None)
-        missing = [block for block, got in zip(order, result.received) if not got]
+        try:
+            result = self._broadcaster.load(order, None, None)
+            missing, seconds = [block for block, got in zip(order, result.received) if not got], result.seconds
+        except Exception as error:  # reported as failed blocks, so the request is recomputed, never stuck
+            logger.error("kvtier: broadcast of load job %d failed: %r", job.job_id, error)
+            missing, seconds = list(order), 0.0
         self._broadcast_done.put(JobReport(job.job_id, is_load=True, success=not missing and not job.missing_block_ids,
                                            failed_block_ids=missing + list(job.missing_block_ids),
-                                           seconds=result.seconds))
+                                           seconds=seconds))
 
     # --- stores -------------------------------------------------------------
     def submit_store(self, job: StoreJob) -> None:
@@ -328,20 +348,26 @@ class TierWorker:
 
     def _write_to_disk(self, store: _Store, key: bytes, slot_id: int) -> None:
         try:
+            if self.disk is None:
+                raise OSError("no disk tier")
             self.disk.write(key, memoryview(self._host_slots[slot_id]))
-        except (OSError, AttributeError) as error:
+        except Exception as error:
             logger.warning("kvtier: disk write of %s failed: %s", key.hex(), error)
             store.report.failed_disk_keys.append(key)  # list.append is atomic; read after all writes are done
         self._writes_done.put(store.job.job_id)
 
     def _write_to_remote(self, store: _Store) -> None:
         job = store.job
-        for key, slot in zip(job.remote_keys, job.remote_slot_ids):
-            self._headers[slot] = np.frombuffer(
-                encode_header(self.rank_fingerprint, key, self._host_slots[slot]), np.uint8)
-        stored = self.remote.call("put", [remote_key(self.rank_fingerprint, k) for k in job.remote_keys],
-                                  [memoryview(self._headers[s]) for s in job.remote_slot_ids],
-                                  [memoryview(self._host_slots[s]) for s in job.remote_slot_ids])
+        try:
+            for key, slot in zip(job.remote_keys, job.remote_slot_ids):
+                self._headers[slot] = np.frombuffer(
+                    encode_header(self.rank_fingerprint, key, self._host_slots[slot]), np.uint8)
+            stored = self.remote.call("put", [remote_key(self.rank_fingerprint, k) for k in job.remote_keys],
+                                      [memoryview(self._headers[s]) for s in job.remote_slot_ids],
+                                      [memoryview(self._host_slots[s]) for s in job.remote_slot_ids])
+        except Exception as error:
+            logger.warning("kvtier: pool write of store job %d failed: %r", job.job_id, error)
+            stored = None
         if stored is None:
             store.report.failed_remote_keys = list(job.remote_keys)
         else:

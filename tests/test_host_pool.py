@@ -101,6 +101,7 @@ class HostPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pins_match_what_is_in_flight(self):
         assert self.pool.num_pins == sum(len(g) for g in self.writes + self.reads)
+        assert self.pool.num_pinned == len({slot for g in self.writes + self.reads for slot in g})
 
     def teardown(self):
         for slots in self.writes:

@@ -261,3 +261,25 @@ def test_two_lookups_do_not_count_on_the_same_staging_slots(disk_dir):
     engine.manager.forget("b")
     assert engine.manager.lookup(keys_of([3, 4]), token="b") == 2  # a's load is done: slots are evictable again
     engine.close()
+
+
+def test_an_unexpected_error_on_an_io_thread_still_ends_the_job(disk_dir):
+    """A fill or write that raises something unforeseen is a failed outcome: the job
+    reports, its blocks are recomputed and its pins are released (never held forever)."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=2)
+    engine.store(keys_of([1, 2]), [1, 2])
+    engine.store(keys_of([3, 4]), [3, 4])  # 1 and 2 now only on disk
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    engine.worker.disk.read_into = broken  # fault injection on the real disk store
+    engine.worker.disk.write = broken
+    job, report = engine.load(keys_of([1, 2]), [10, 11])
+    assert sorted(report.failed_block_ids) == [10, 11]
+    reports = engine.store(keys_of([5]), [5])
+    assert reports and reports[0].failed_disk_keys == keys_of([5])
+    assert engine.manager.host.num_pins == 0 and engine.manager.disk.num_pins == 0
+    assert engine.manager.num_pending == 0
+    engine.close()

@@ -36,6 +36,8 @@ class HostPoolIndex:
         self._key_of: list[bytes | None] = [None] * num_slots
         self._ready = bytearray(num_slots)
         self._pins = [0] * num_slots
+        self._num_pins = 0  # sum of _pins, and slots with a pin: kept as counters, read every step
+        self._num_pinned = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ready, unpinned; oldest first
         self.num_evictions = 0
 
@@ -67,11 +69,11 @@ class HostPoolIndex:
 
     @property
     def num_pinned(self) -> int:
-        return sum(1 for pins in self._pins if pins)
+        return self._num_pinned
 
     @property
     def num_pins(self) -> int:
-        return sum(self._pins)
+        return self._num_pins
 
     # --- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
@@ -112,7 +114,7 @@ class HostPoolIndex:
             slot = self._free_slot_ids.pop()
             self._slot_of[key] = slot
             self._key_of[slot] = key
-            self._pins[slot] = 1  # the writer's pin, until complete_store
+            self._pin(slot)  # the writer's pin, until complete_store
             slot_ids.append(slot)
         return StorePlan(new_keys, slot_ids)
 
@@ -123,7 +125,7 @@ class HostPoolIndex:
                 self._ready[slot] = 1
                 self._unpin(slot)
             else:
-                self._pins[slot] -= 1
+                self._unpin(slot)
                 if self._pins[slot] == 0:
                     self._free(slot)
 
@@ -138,14 +140,19 @@ class HostPoolIndex:
     def _pin(self, slot: int) -> None:
         if self._pins[slot] == 0:
             self._evictable.pop(slot, None)
+            self._num_pinned += 1
         self._pins[slot] += 1
+        self._num_pins += 1
 
     def _unpin(self, slot: int) -> None:
         if self._pins[slot] <= 0:
             raise RuntimeError(f"slot {slot} released more often than pinned")
         self._pins[slot] -= 1
-        if self._pins[slot] == 0 and self._ready[slot]:
-            self._evictable[slot] = None
+        self._num_pins -= 1
+        if self._pins[slot] == 0:
+            self._num_pinned -= 1
+            if self._ready[slot]:
+                self._evictable[slot] = None
 
     def _evict_one(self) -> None:
         slot, _ = self._evictable.popitem(last=False)
