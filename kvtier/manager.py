@@ -75,8 +75,8 @@ class TierManager:
             if config.remote_url else None
         self._remote_queries = ExistenceQueries(self.remote) if self.remote else None
         self._remote_found: dict[str, set[bytes]] = {}  # token -> keys the pool holds for every rank
-        # token -> host slots its lookup counted on for staging disk/pool hits, until it plans or goes
-        # away: another request's lookup does not count on the same slots.
+        # token -> host slots its lookup counted on (hits to pin, disk/pool hits to stage), until it
+        # plans or goes away: another request's lookup does not count on the same slots.
         self._promised: dict[str, int] = {}
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
@@ -93,8 +93,9 @@ class TierManager:
         Host first, then disk, then the pool. The pool is asked off this thread:
         while its answer is pending this returns None (ask again with the same
         ``token``); a pool that is down or silent counts as a miss. Disk and pool
-        hits are staged through host slots, so no more of them count than the host
-        pool could take at once.
+        hits are staged through host slots and host hits are pinned, so no more of
+        them count than the host pool could give at once: what a lookup counts,
+        its plan delivers, unless a store runs in between.
         """
         self._promised.pop(token, None)  # this lookup replaces the token's previous one
         local = self._leading_hits(keys, set())[0]
@@ -110,9 +111,9 @@ class TierManager:
             remote_found = {key for i, key in enumerate(rest)
                             if all(answer[i * ranks:(i + 1) * ranks]) and not self._recently_failed(key)}
             self._remote_found[token] = remote_found
-        hits, staged = self._leading_hits(keys, remote_found)
-        if token is not None and staged:
-            self._promised[token] = staged
+        hits, taken = self._leading_hits(keys, remote_found)
+        if token is not None and taken:
+            self._promised[token] = taken
         return hits
 
     def host_hits(self, keys: Sequence[bytes]) -> int:
@@ -120,21 +121,27 @@ class TierManager:
         return self.host.lookup(keys)
 
     def _leading_hits(self, keys: Sequence[bytes], remote_found: set[bytes]) -> tuple[int, int]:
-        """(leading hits, how many of them need a host slot to stage through)."""
-        hits = staged = 0
+        """(leading hits, host slots their plan takes out of the pool's available ones).
+
+        A plan pins its evictable host hits and stages each disk or pool hit
+        through a slot of its own; both come out of what the host pool could free
+        now, less what other lookups were promised. Hits stop where that runs out.
+        """
+        hits = taken = 0
         budget = self.host.num_available - sum(self._promised.values())
         for key in keys:
             if self.host.lookup((key,)):
-                hits += 1
-                continue
+                need = self.host.is_evictable(key)
             # A key being written to host cannot take a second slot, and is not readable yet.
-            stageable = staged < budget and not self.host.contains(key)
-            if stageable and ((self.disk is not None and self.disk.lookup((key,))) or key in remote_found):
-                hits += 1
-                staged += 1
+            elif not self.host.contains(key) and (
+                    (self.disk is not None and self.disk.lookup((key,))) or key in remote_found):
+                need = 1
             else:
                 break
-        return hits, staged
+            if taken + need > budget:
+                break
+            hits, taken = hits + 1, taken + need
+        return hits, taken
 
     def _recently_failed(self, key: bytes) -> bool:
         expiry = self._failed_remote.get(key)
@@ -171,36 +178,50 @@ class TierManager:
         reported missing, since the engine recomputes from the first failed block.
         A ``layerwise`` load reads host slots only: anything else is missing.
         """
+        if len(keys) != len(block_ids):
+            raise ValueError(f"plan_load for {req_id}: {len(keys)} keys but {len(block_ids)} blocks")
         remote_found = self._remote_found.pop(req_id, set())
         self._promised.pop(req_id, None)  # the slots are taken now, or not at all
+        sources: list[str] = []  # the loadable prefix: where each block is read from
+        for key in keys:
+            if self.host.lookup((key,)):
+                sources.append("host")
+            elif layerwise or self.host.contains(key):  # not readable, and cannot take a second slot
+                break
+            elif self.disk is not None and self.disk.lookup((key,)):
+                sources.append("disk")
+            elif key in remote_found:
+                sources.append("remote")
+            else:
+                break
+        # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
+        host_at = [i for i, source in enumerate(sources) if source == "host"]
+        slot_at = dict(zip(host_at, self.host.prepare_load([keys[i] for i in host_at])))
+        end = len(sources)
+        for i, source in enumerate(sources):
+            if source == "host":
+                continue
+            plan = self.host.prepare_store((keys[i],))
+            if plan is None:  # no room left to stage through: the prefix ends here
+                end = i
+                break
+            slot_at[i] = plan.slot_ids[0]
+            if source == "disk":
+                self.disk.prepare_load((keys[i],))
+        self.host.complete_load([slot_at[i] for i in host_at if i >= end])  # past the prefix: not loaded
         ready_blocks, ready_slots, ready_keys = [], [], []
         fill_blocks, fill_slots, fill_keys, fill_from = [], [], [], []
-        missing: list[int] = []
-        for key, block_id in zip(keys, block_ids):
-            if missing:
-                missing.append(block_id)
-                continue
-            if self.host.lookup((key,)):
-                ready_blocks.append(block_id)
-                ready_slots += self.host.prepare_load((key,))
-                ready_keys.append(key)
-                continue
-            source = None
-            if not layerwise and not self.host.contains(key):
-                if self.disk is not None and self.disk.lookup((key,)):
-                    source = "disk"
-                elif key in remote_found:
-                    source = "remote"
-            plan = self.host.prepare_store((key,)) if source else None
-            if plan is None:
-                missing.append(block_id)
-                continue
-            if source == "disk":
-                self.disk.prepare_load((key,))
-            fill_blocks.append(block_id)
-            fill_slots += plan.slot_ids
-            fill_keys.append(key)
-            fill_from.append(source)
+        for i in range(end):
+            if sources[i] == "host":
+                ready_blocks.append(block_ids[i])
+                ready_slots.append(slot_at[i])
+                ready_keys.append(keys[i])
+            else:
+                fill_blocks.append(block_ids[i])
+                fill_slots.append(slot_at[i])
+                fill_keys.append(keys[i])
+                fill_from.append(sources[i])
+        missing = list(block_ids[end:])
         job = LoadJob(next(self._job_ids), req_id, ready_blocks, ready_slots, ready_keys,
                       fill_blocks, fill_slots, fill_keys, fill_from, missing, layerwise)
         self.stats.host_hit_blocks += len(ready_blocks)

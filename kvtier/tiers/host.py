@@ -58,6 +58,11 @@ class HostPoolIndex:
         """True if ``key`` is ready or being written (a store of it would be redundant)."""
         return key in self._slot_of
 
+    def is_evictable(self, key: bytes) -> bool:
+        """True if ``key`` is ready and unpinned: a store could evict it now."""
+        slot = self._slot_of.get(key)
+        return slot is not None and slot in self._evictable
+
     @property
     def num_used(self) -> int:
         return self.num_slots - len(self._free_slot_ids)
