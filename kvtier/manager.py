@@ -78,6 +78,7 @@ class TierManager:
         # token -> host slots its lookup counted on (hits to pin, disk/pool hits to stage), until it
         # plans or goes away: another request's lookup does not count on the same slots.
         self._promised: dict[str, int] = {}
+        self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -95,7 +96,10 @@ class TierManager:
         ``token``); a pool that is down or silent counts as a miss. Disk and pool
         hits are staged through host slots and host hits are pinned, so no more of
         them count than the host pool could give at once: what a lookup counts,
-        its plan delivers, unless a store runs in between.
+        its plan delivers, unless a store runs in between. Where the hits stop at
+        a block that is being written to the host pool (another request's store or
+        load of the same prefix), this also returns None, for at most
+        ``load_timeout_s``: waiting a step for a copy beats recomputing it.
         """
         self._promised.pop(token, None)  # this lookup replaces the token's previous one
         local = self._leading_hits(keys, set())[0]
@@ -112,6 +116,12 @@ class TierManager:
                             if all(answer[i * ranks:(i + 1) * ranks]) and not self._recently_failed(key)}
             self._remote_found[token] = remote_found
         hits, taken = self._leading_hits(keys, remote_found)
+        if token is not None and hits < len(keys) and self.host.is_being_written(keys[hits]):
+            now = time.monotonic()
+            if now - self._waiting_since.setdefault(token, now) < self.config.load_timeout_s:
+                return None
+        if token is not None:
+            self._waiting_since.pop(token, None)
         if token is not None and taken:
             self._promised[token] = taken
         return hits
@@ -164,6 +174,7 @@ class TierManager:
         """Drop what a lookup remembered for ``token`` (a request that went away)."""
         self._remote_found.pop(token, None)
         self._promised.pop(token, None)
+        self._waiting_since.pop(token, None)
         if self._remote_queries is not None:
             self._remote_queries.forget(token)
 
@@ -182,6 +193,7 @@ class TierManager:
             raise ValueError(f"plan_load for {req_id}: {len(keys)} keys but {len(block_ids)} blocks")
         remote_found = self._remote_found.pop(req_id, set())
         self._promised.pop(req_id, None)  # the slots are taken now, or not at all
+        self._waiting_since.pop(req_id, None)
         sources: list[str] = []  # the loadable prefix: where each block is read from
         for key in keys:
             if self.host.lookup((key,)):

@@ -8,6 +8,7 @@ slots pinned by loads in flight, slots being written, other lookups' promises.
 
 import shutil
 import tempfile
+import time
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -27,10 +28,10 @@ def chain(doc: int, length: int) -> list[bytes]:
     return [(doc * 100 + i).to_bytes(16, "little") for i in range(length)]
 
 
-def manager(disk_dir: str, host_slots: int, disk_entries: int) -> TierManager:
+def manager(disk_dir: str, host_slots: int, disk_entries: int, **config) -> TierManager:
     config = KVTierConfig.from_sources({
         "host_bytes": host_slots * SLOT_BYTES, "disk_dir": disk_dir,
-        "disk_bytes": disk_entries * (SLOT_BYTES + HEADER_BYTES)}, environ={})
+        "disk_bytes": disk_entries * (SLOT_BYTES + HEADER_BYTES), **config}, environ={})
     return TierManager(config, SLOT_BYTES, [FINGERPRINT])
 
 
@@ -59,6 +60,33 @@ def test_staging_a_disk_hit_never_evicts_a_later_host_hit_of_the_same_prompt(tmp
     assert mgr.host.num_pins == 0 and mgr.disk.num_pins == 0
 
 
+def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):
+    mgr = manager(str(tmp_path), host_slots=8, disk_entries=10)
+    keys = chain(0, 4)
+    complete(mgr, mgr.plan_store("first", keys[:2], [0, 1]))
+    writing = mgr.plan_store("first", keys[2:], [2, 3])  # the rest of the prompt is being stored
+    assert mgr.lookup(keys, token="second") is None  # ask again: blocks 2 and 3 are about to be ready
+    assert mgr.lookup(keys, token="second") is None
+    complete(mgr, writing)
+    assert mgr.lookup(keys, token="second") == 4
+    assert mgr.lookup(keys) == 4  # without a token (nothing to ask again with), never None
+
+
+def test_a_lookup_waits_at_most_load_timeout_s(tmp_path):
+    mgr = manager(str(tmp_path), host_slots=8, disk_entries=10, load_timeout_s=0.2)
+    keys = chain(0, 3)
+    complete(mgr, mgr.plan_store("first", keys[:1], [0]))
+    writing = mgr.plan_store("first", keys[1:], [1, 2])  # a write that does not finish in time
+    began = time.monotonic()
+    while (hits := mgr.lookup(keys, token="second")) is None:
+        time.sleep(0.01)
+    assert hits == 1 and 0.2 <= time.monotonic() - began < 5
+    mgr.forget("second")
+    assert mgr.lookup(keys, token="third") is None  # each request waits its own while
+    complete(mgr, writing)
+    assert mgr.host.num_pins == 0
+
+
 class PromiseMachine(RuleBasedStateMachine):
     """Random stores, loads and their completions; each lookup is followed by its plan."""
 
@@ -85,12 +113,14 @@ class PromiseMachine(RuleBasedStateMachine):
         for i, (doc, length) in enumerate(docs):
             keys = chain(doc, length)
             hits = self.mgr.lookup(keys, token=f"r{i}")
+            if hits is None:  # waits for a block being written: asks again in a later step
+                continue
             job = self.mgr.plan_load(f"r{i}", keys[:hits], self._ids(hits))
             assert not job.missing_block_ids, f"counted {hits} blocks, planned {hits - len(job.missing_block_ids)}"
             self.in_flight.append(job)
 
     @rule(doc=st.integers(0, 3), length=st.integers(1, 6))
-    def lookup_of_a_request_that_waits(self, doc, length):
+    def lookup_of_a_request_that_is_not_allocated(self, doc, length):
         """Counted, but not allocated this step: its promise stands until it is forgotten."""
         self.mgr.lookup(chain(doc, length), token="waiting")
 

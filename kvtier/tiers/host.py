@@ -58,6 +58,11 @@ class HostPoolIndex:
         """True if ``key`` is ready or being written (a store of it would be redundant)."""
         return key in self._slot_of
 
+    def is_being_written(self, key: bytes) -> bool:
+        """True if ``key`` has a slot whose writer has not completed it yet."""
+        slot = self._slot_of.get(key)
+        return slot is not None and not self._ready[slot]
+
     def is_evictable(self, key: bytes) -> bool:
         """True if ``key`` is ready and unpinned: a store could evict it now."""
         slot = self._slot_of.get(key)
