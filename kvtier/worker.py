@@ -80,6 +80,8 @@ class _Store:
     reportable: bool = False  # every step finished: report, then the scheduler releases the slots
     transfers_left: int = 1  # layer-wise: one transfer per layer
     copy_result: TransferResult | None = None
+    ids: tuple[np.ndarray, np.ndarray] | None = None  # layer-wise: block and slot ids, converted once
+    layer_runs: list | None = None  # layer-wise on CPU: each layer's copy runs, planned once
 
 
 class TierWorker:
@@ -151,9 +153,11 @@ class TierWorker:
         load = _Load(job, report, time.monotonic() + self.config.load_timeout_s, 0, list(job.ready_block_ids),
                      list(job.ready_slot_ids), list(job.ready_keys), transfers_left=self.num_layers)
         self._loads[job.job_id] = load
+        block_ids, slot_ids = np.asarray(load.usable_block_ids, np.int64), np.asarray(load.usable_slot_ids, np.int64)
+        runs = self._layer_runs(block_ids, slot_ids, to_host=False)
         for layer in range(self.num_layers):
-            load.layer_transfer_ids[layer] = self._submit_transfer(load.usable_block_ids, load.usable_slot_ids, False,
-                                                                   (True, job.job_id), (layer,))
+            load.layer_transfer_ids[layer] = self._submit_transfer(block_ids, slot_ids, False, (True, job.job_id),
+                                                                   (layer,), runs and runs[layer])
 
     def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float = 60.0) -> bool:
         """Block until ``layer`` of these layer-wise loads is in the device cache."""
@@ -246,10 +250,10 @@ class TierWorker:
         self._submit_transfer(load.usable_block_ids, load.usable_slot_ids, False, (True, load.job.job_id))
 
     def _submit_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
-                         tensor_indices: tuple[int, ...] | None = None) -> int:
+                         tensor_indices: tuple[int, ...] | None = None, runs: tuple | None = None) -> int:
         with self._lock:  # register before submit, so a fast completion always finds its job
             transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
-                                   next(self._transfer_ids), tensor_indices)
+                                   next(self._transfer_ids), tensor_indices, runs)
             self._job_of_transfer[transfer.job_id] = owner
         self.transfers.submit(transfer)
         return transfer.job_id
@@ -319,11 +323,28 @@ class TierWorker:
             if job.job_id not in self._stores:
                 self.submit_store(job)  # replicated KV: nothing to copy here
             return
+        store = self._stores.get(job.job_id) or self.prepare_store_layers(job)
+        block_ids, slot_ids = store.ids
+        self._submit_transfer(block_ids, slot_ids, True, (False, job.job_id), (layer,),
+                              store.layer_runs and store.layer_runs[layer])
+
+    def prepare_store_layers(self, job: StoreJob) -> _Store | None:
+        """Plan every layer's copy of a layer-wise store at once (before the forward,
+        so that each ``submit_store_layer`` after a layer's compute only enqueues)."""
         store = self._stores.get(job.job_id)
-        if store is None:
-            store = _Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers)
+        if store is None and self.is_source:  # other ranks of replicated KV copy nothing
+            ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+            store = _Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers,
+                           ids=ids, layer_runs=self._layer_runs(*ids, to_host=True))
             self._stores[job.job_id] = store
-        self._submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id), (layer,))
+        return store
+
+    def _layer_runs(self, block_ids: np.ndarray, slot_ids: np.ndarray, to_host: bool) -> list | None:
+        """Each layer's CPU copy runs, planned in one pass; None on CUDA (its copier plans)."""
+        if self.device_is_cuda:
+            return None
+        return self.layout.runs_by_tensor([t.data_ptr() for t in self.tensors], self.host_buffer.data_ptr(),
+                                          block_ids, slot_ids, to_host)
 
     def _after_store_copy(self, store: _Store, result: TransferResult) -> None:
         store.device_reads_done = True  # from here on the device blocks may be reused

@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.layout import LayoutError, TensorInfo, coalesce, detect_layout
 from kvtier.worker import tensor_info
@@ -57,3 +59,22 @@ def test_cross_layer_consecutive_blocks_move_in_one_run():
     layout = detect_layout(infos([tensor]), NB, BS, kind="cross_layer")
     dst, src, lengths = layout.copy_runs([tensor.data_ptr()], 1 << 20, np.array([2, 3, 4]), np.array([0, 1, 2]), True)
     assert len(lengths) == 1 and lengths[0] == 3 * layout.slot_bytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(["blocks_first", "kv_first", "mla", "cross_layer"]), to_host=st.booleans())
+def test_runs_planned_for_all_layers_at_once_equal_each_layer_planned_alone(data, kind, to_host):
+    shapes = {"blocks_first": [(NB, 2, BS, 2 * 8)] * 3, "kv_first": [(2, NB, BS, 2, 8)] * 2,
+              "mla": [(NB, BS, 24)] * 2, "cross_layer": [(NB, 3, 2, BS, 8)]}[kind]
+    tensors = [torch.zeros(shape, dtype=torch.float16) for shape in shapes]
+    layout = detect_layout(infos(tensors), NB, BS, "cross_layer" if kind == "cross_layer" else None)
+    count = data.draw(st.integers(0, NB))
+    block_ids = np.array(data.draw(st.permutations(range(NB)))[:count], dtype=np.int64)
+    consecutive = data.draw(st.booleans())  # adjacent slots let runs merge
+    slot_ids = np.arange(count) if consecutive else np.array(data.draw(st.permutations(range(3 * NB)))[:count])
+    addresses = [t.data_ptr() for t in tensors]
+    planned = layout.runs_by_tensor(addresses, 1 << 32, block_ids, slot_ids, to_host)
+    assert len(planned) == len(tensors)
+    for index, runs in enumerate(planned):
+        alone = layout.copy_runs(addresses, 1 << 32, block_ids, slot_ids, to_host, (index,))
+        assert all(np.array_equal(a, b) for a, b in zip(runs, alone))

@@ -28,7 +28,7 @@ def split_by_bytes(lengths: np.ndarray, num_parts: int) -> list[slice]:
 
 
 class CpuCopier(DeviceCopier):
-    """Copies run on ``num_threads`` threads; ``start`` only plans and enqueues."""
+    """Copies run on ``num_threads`` threads; ``start`` only enqueues."""
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int):
         self._layout = layout
@@ -44,10 +44,19 @@ class CpuCopier(DeviceCopier):
         return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
-        dst, src, lengths = self._layout.copy_runs(
-            self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host, job.tensor_indices)
-        parts = split_by_bytes(lengths, self._num_threads)
+        # Only enqueue: the runs are planned on a copy thread too, so that a caller on the
+        # engine's compute thread (a layer-wise store after each layer) returns at once.
+        self._pool.submit(self._plan_and_copy, job, on_done)
+
+    def _plan_and_copy(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         began = time.perf_counter()
+        try:
+            dst, src, lengths = job.runs or self._layout.copy_runs(
+                self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host, job.tensor_indices)
+        except Exception as error:  # a bad plan is a failed job, reported once
+            on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
+            return
+        parts = split_by_bytes(lengths, self._num_threads)
         if not parts:
             on_done(TransferResult(job.job_id, True, 0, 0.0))
             return
@@ -68,8 +77,12 @@ class CpuCopier(DeviceCopier):
                 on_done(TransferResult(job.job_id, not errors, int(lengths.sum()),
                                        time.perf_counter() - began, errors[0] if errors else None))
 
-        for part in parts:
-            self._pool.submit(run, part)
+        for part in parts[1:]:  # the other copy threads take these; this one copies the first
+            try:
+                self._pool.submit(run, part)
+            except RuntimeError:  # shutting down: no more threads to hand it to
+                run(part)
+        run(parts[0])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -85,6 +85,10 @@ class WorkerSide:
                 self._layerwise_load_ids.add(job.job_id)
             else:
                 self.tier_worker.submit_load(job)
+        if self.config.layerwise and self.tier_worker.num_layers == len(self._layer_index):
+            for job in meta.store_jobs:  # plan every layer's copy now, so that save_kv_layer only enqueues
+                if job.job_id not in self._submitted_job_ids:
+                    self.tier_worker.prepare_store_layers(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._step_layer_loads:
