@@ -207,12 +207,15 @@ def test_a_disk_hit_being_rewritten_to_host_is_not_loaded_twice(disk_dir):
     engine.close()
 
 
-def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir):
+@pytest.mark.parametrize("planned_first", [True, False])
+def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir, planned_first):
     tensors = layouts()[0][1]
     randomize(tensors)
     engine = Engine(tensors, disk_dir, host_blocks=8)
     original = [t.clone() for t in tensors]
     job = engine.manager.plan_store("r", keys_of(range(4)), [1, 2, 3, 4])
+    if planned_first:  # as the connector does when the step begins; else the first layer plans
+        engine.worker.prepare_store_layers(job)
     for layer in reversed(range(engine.worker.num_layers)):  # layers may be stored in any order
         engine.worker.submit_store_layer(job, layer)
     reports = []
