@@ -84,12 +84,7 @@ class KVLayout:
 
         Runs that are adjacent on both sides are merged into one copy.
         """
-        block_ids = np.asarray(block_ids, dtype=np.int64)
-        slot_ids = np.asarray(slot_ids, dtype=np.int64)
-        if block_ids.shape != slot_ids.shape:
-            raise ValueError("block_ids and slot_ids must have the same length")
-        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        block_ids, slot_ids = self._checked(block_ids, slot_ids)
         device_parts, host_parts, length_parts = [], [], []
         slot_base = host_address + slot_ids * self.slot_bytes
         for seg in self.segments_of(tensor_indices):
@@ -113,12 +108,7 @@ class KVLayout:
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``copy_runs`` for each tensor alone (entry i: ``tensor_indices=(i,)``), all
         planned in one pass: a layer-wise job plans once, not once per layer."""
-        block_ids = np.asarray(block_ids, dtype=np.int64)
-        slot_ids = np.asarray(slot_ids, dtype=np.int64)
-        if block_ids.shape != slot_ids.shape:
-            raise ValueError("block_ids and slot_ids must have the same length")
-        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        block_ids, slot_ids = self._checked(block_ids, slot_ids)
         num_tensors = 1 + max(seg.tensor_index for seg in self.segments)
         # One row per segment, a tensor's segments together and in order, as copy_runs takes them.
         segs = sorted(self.segments, key=lambda seg: seg.tensor_index)
@@ -138,6 +128,15 @@ class KVLayout:
             if lengths.size else lengths, tensor_of_run[starts]
         bounds = np.searchsorted(tensor_of_run, np.arange(num_tensors + 1))
         return [(dst[a:b], src[a:b], lengths[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _checked(self, block_ids, slot_ids) -> tuple[np.ndarray, np.ndarray]:
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        slot_ids = np.asarray(slot_ids, dtype=np.int64)
+        if block_ids.shape != slot_ids.shape:
+            raise ValueError("block_ids and slot_ids must have the same length")
+        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        return block_ids, slot_ids
 
     def segments_of(self, tensor_indices: Sequence[int] | None) -> tuple[Segment, ...]:
         if tensor_indices is None:
