@@ -98,36 +98,12 @@ class KVLayout:
         return coalesce(dst, src, lengths)
 
 
-    def runs_by_tensor(
-        self,
-        tensor_addresses: Sequence[int],
-        host_address: int,
-        block_ids: np.ndarray,
-        slot_ids: np.ndarray,
-        to_host: bool,
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``copy_runs`` for each tensor alone (entry i: ``tensor_indices=(i,)``), all
-        planned in one pass: a layer-wise job plans once, not once per layer."""
-        block_ids, slot_ids = self._checked(block_ids, slot_ids)
-        num_tensors = 1 + max(seg.tensor_index for seg in self.segments)
-        # One row per segment, a tensor's segments together and in order, as copy_runs takes them.
-        segs = sorted(self.segments, key=lambda seg: seg.tensor_index)
-        column = lambda values: np.array(values, dtype=np.int64)[:, None]  # noqa: E731
-        tensor_of_row = np.array([seg.tensor_index for seg in segs], dtype=np.int64)
-        device = (column([tensor_addresses[seg.tensor_index] + seg.offset for seg in segs])
-                  + block_ids[None, :] * column([seg.stride for seg in segs])).ravel()
-        host = (host_address + slot_ids[None, :] * self.slot_bytes + column([seg.slot_offset for seg in segs])).ravel()
-        lengths = np.broadcast_to(column([seg.nbytes for seg in segs]), (len(segs), block_ids.size)).ravel()
-        dst, src = (host, device) if to_host else (device, host)
-        # Coalesce as copy_runs does, but never across two tensors: each is copied on its own.
-        tensor_of_run = np.repeat(tensor_of_row, block_ids.size)
-        continues = (dst[:-1] + lengths[:-1] == dst[1:]) & (src[:-1] + lengths[:-1] == src[1:]) \
-            & (tensor_of_run[:-1] == tensor_of_run[1:])
-        starts = np.concatenate(([0], np.flatnonzero(~continues) + 1)) if lengths.size else np.empty(0, np.int64)
-        dst, src, lengths, tensor_of_run = dst[starts], src[starts], np.add.reduceat(lengths, starts) \
-            if lengths.size else lengths, tensor_of_run[starts]
-        bounds = np.searchsorted(tensor_of_run, np.arange(num_tensors + 1))
-        return [(dst[a:b], src[a:b], lengths[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    def segment_table(self, tensor_addresses: Sequence[int], tensor_indices: Sequence[int] | None = None) -> np.ndarray:
+        """The segments of every tensor (or of ``tensor_indices`` only) as int64 rows
+        (device address of block 0's run, stride, slot offset, bytes): what the native
+        ``copy_blocks`` walks, so that a copy needs no run list planned per job."""
+        return np.array([(tensor_addresses[seg.tensor_index] + seg.offset, seg.stride, seg.slot_offset, seg.nbytes)
+                         for seg in self.segments_of(tensor_indices)], dtype=np.int64).reshape(-1, 4)
 
     def _checked(self, block_ids, slot_ids) -> tuple[np.ndarray, np.ndarray]:
         block_ids = np.asarray(block_ids, dtype=np.int64)

@@ -80,8 +80,7 @@ class _Store:
     reportable: bool = False  # every step finished: report, then the scheduler releases the slots
     transfers_left: int = 1  # layer-wise: one transfer per layer
     copy_result: TransferResult | None = None
-    ids: tuple[np.ndarray, np.ndarray] | None = None  # layer-wise: block and slot ids, converted once
-    layer_runs: list | None = None  # layer-wise on CPU: each layer's copy runs, planned once
+    layer_transfers: list[TransferJob | None] | None = None  # layer-wise: each layer's, until it is sent
 
 
 class TierWorker:
@@ -154,10 +153,9 @@ class TierWorker:
                      list(job.ready_slot_ids), list(job.ready_keys), transfers_left=self.num_layers)
         self._loads[job.job_id] = load
         block_ids, slot_ids = np.asarray(load.usable_block_ids, np.int64), np.asarray(load.usable_slot_ids, np.int64)
-        runs = self._layer_runs(block_ids, slot_ids, to_host=False)
         for layer in range(self.num_layers):
             load.layer_transfer_ids[layer] = self._submit_transfer(block_ids, slot_ids, False, (True, job.job_id),
-                                                                   (layer,), runs and runs[layer])
+                                                                   (layer,))
 
     def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float = 60.0) -> bool:
         """Block until ``layer`` of these layer-wise loads is in the device cache."""
@@ -250,13 +248,18 @@ class TierWorker:
         self._submit_transfer(load.usable_block_ids, load.usable_slot_ids, False, (True, load.job.job_id))
 
     def _submit_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
-                         tensor_indices: tuple[int, ...] | None = None, runs: tuple | None = None) -> int:
-        with self._lock:  # register before submit, so a fast completion always finds its job
-            transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
-                                   next(self._transfer_ids), tensor_indices, runs)
-            self._job_of_transfer[transfer.job_id] = owner
+                         tensor_indices: tuple[int, ...] | None = None) -> int:
+        transfer = self._registered_transfer(block_ids, slot_ids, to_host, owner, tensor_indices)
         self.transfers.submit(transfer)
         return transfer.job_id
+
+    def _registered_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
+                             tensor_indices: tuple[int, ...] | None) -> TransferJob:
+        with self._lock:  # registered before it is submitted, so a fast completion always finds its job
+            transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
+                                   next(self._transfer_ids), tensor_indices)
+            self._job_of_transfer[transfer.job_id] = owner
+        return transfer
 
     def _abandon_overdue_loads(self, now: float) -> list[JobReport]:
         abandoned = []
@@ -310,41 +313,41 @@ class TierWorker:
     # --- stores -------------------------------------------------------------
     def submit_store(self, job: StoreJob) -> None:
         if not self.is_source:  # replicated KV: rank 0 stores it once for every rank
-            self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True),
-                                              device_reads_done=True, reportable=True)
+            self._stores.setdefault(job.job_id, _Store(job, JobReport(job.job_id, is_load=False, success=True),
+                                                       device_reads_done=True, reportable=True))
+            return
+        prepared = self._stores.get(job.job_id)
+        if prepared is not None and prepared.layer_transfers is not None:  # layer-wise: the layers not sent yet
+            for layer in range(self.num_layers):
+                self.submit_store_layer(job, layer)
             return
         self._stores[job.job_id] = _Store(job, JobReport(job.job_id, is_load=False, success=True))
         self._submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id))
 
     def submit_store_layer(self, job: StoreJob, layer: int) -> None:
         """Layer-wise store: copy one layer of the job's blocks, once that layer's KV is
-        written (the caller calls this right after the layer's attention)."""
+        written (the caller calls this right after the layer's attention). ``submit_store``
+        of the same job then sends the layers not sent yet."""
         if not self.is_source:
             if job.job_id not in self._stores:
                 self.submit_store(job)  # replicated KV: nothing to copy here
             return
         store = self._stores.get(job.job_id) or self.prepare_store_layers(job)
-        block_ids, slot_ids = store.ids
-        self._submit_transfer(block_ids, slot_ids, True, (False, job.job_id), (layer,),
-                              store.layer_runs and store.layer_runs[layer])
+        transfer, store.layer_transfers[layer] = store.layer_transfers[layer], None
+        if transfer is not None:  # each layer is sent once, however often it is asked for
+            self.transfers.submit(transfer)
 
     def prepare_store_layers(self, job: StoreJob) -> _Store | None:
-        """Plan every layer's copy of a layer-wise store at once (before the forward,
-        so that each ``submit_store_layer`` after a layer's compute only enqueues)."""
+        """Make every layer's transfer of a layer-wise store before the forward, so that
+        ``submit_store_layer``, on the compute thread after each layer, only enqueues."""
         store = self._stores.get(job.job_id)
         if store is None and self.is_source:  # other ranks of replicated KV copy nothing
-            ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+            block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
             store = _Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers,
-                           ids=ids, layer_runs=self._layer_runs(*ids, to_host=True))
+                           layer_transfers=[self._registered_transfer(block_ids, slot_ids, True, (False, job.job_id),
+                                                                      (layer,)) for layer in range(self.num_layers)])
             self._stores[job.job_id] = store
         return store
-
-    def _layer_runs(self, block_ids: np.ndarray, slot_ids: np.ndarray, to_host: bool) -> list | None:
-        """Each layer's CPU copy runs, planned in one pass; None on CUDA (its copier plans)."""
-        if self.device_is_cuda:
-            return None
-        return self.layout.runs_by_tensor([t.data_ptr() for t in self.tensors], self.host_buffer.data_ptr(),
-                                          block_ids, slot_ids, to_host)
 
     def _after_store_copy(self, store: _Store, result: TransferResult) -> None:
         store.device_reads_done = True  # from here on the device blocks may be reused

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier._native import copy_runs
 from kvtier.layout import LayoutError, TensorInfo, coalesce, detect_layout
 from kvtier.worker import tensor_info
 
@@ -63,18 +64,40 @@ def test_cross_layer_consecutive_blocks_move_in_one_run():
 
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), kind=st.sampled_from(["blocks_first", "kv_first", "mla", "cross_layer"]), to_host=st.booleans())
-def test_runs_planned_for_all_layers_at_once_equal_each_layer_planned_alone(data, kind, to_host):
+def test_native_block_copy_moves_the_bytes_of_the_planned_runs(data, kind, to_host):
+    """copy_blocks (addresses computed in C, runs merged on the fly) moves exactly the
+    bytes that the run list of copy_runs describes, for any ids and layer subset."""
     shapes = {"blocks_first": [(NB, 2, BS, 2 * 8)] * 3, "kv_first": [(2, NB, BS, 2, 8)] * 2,
               "mla": [(NB, BS, 24)] * 2, "cross_layer": [(NB, 3, 2, BS, 8)]}[kind]
-    tensors = [torch.zeros(shape, dtype=torch.float16) for shape in shapes]
+    tensors = [torch.randint(-2**15, 2**15, shape, dtype=torch.int16) for shape in shapes]
     layout = detect_layout(infos(tensors), NB, BS, "cross_layer" if kind == "cross_layer" else None)
+    num_slots = 3 * NB
     count = data.draw(st.integers(0, NB))
     block_ids = np.array(data.draw(st.permutations(range(NB)))[:count], dtype=np.int64)
     consecutive = data.draw(st.booleans())  # adjacent slots let runs merge
-    slot_ids = np.arange(count) if consecutive else np.array(data.draw(st.permutations(range(3 * NB)))[:count])
-    addresses = [t.data_ptr() for t in tensors]
-    planned = layout.runs_by_tensor(addresses, 1 << 32, block_ids, slot_ids, to_host)
-    assert len(planned) == len(tensors)
-    for index, runs in enumerate(planned):
-        alone = layout.copy_runs(addresses, 1 << 32, block_ids, slot_ids, to_host, (index,))
-        assert all(np.array_equal(a, b) for a, b in zip(runs, alone))
+    slot_ids = np.arange(count) if consecutive else np.array(data.draw(st.permutations(range(num_slots)))[:count])
+    slot_ids = slot_ids.astype(np.int64)
+    subset = data.draw(st.sampled_from([None] + [(i,) for i in range(len(tensors))]))
+    host = [torch.randint(0, 256, (num_slots * layout.slot_bytes,), dtype=torch.uint8) for _ in range(2)]
+    devices = [[t.clone() for t in tensors] for _ in range(2)]
+    addresses = [[t.data_ptr() for t in device] for device in devices]
+    host[1].copy_(host[0])
+    dst, src, lengths = layout.copy_runs(addresses[0], host[0].data_ptr(), block_ids, slot_ids, to_host, subset)
+    copy_runs.copy(dst, src, lengths)
+    copied = copy_runs.copy_blocks(layout.segment_table(addresses[1], subset), block_ids, slot_ids,
+                                   host[1].data_ptr(), layout.slot_bytes, NB, num_slots, to_host)
+    assert copied == int(lengths.sum())
+    assert torch.equal(host[0], host[1])
+    assert all(torch.equal(a, b) for a, b in zip(devices[0], devices[1]))
+
+
+def test_native_block_copy_checks_every_id_before_moving_a_byte():
+    tensors = [torch.ones(NB, 2, BS, 8, dtype=torch.int16)]
+    layout = detect_layout(infos(tensors), NB, BS)
+    host = torch.zeros(4 * layout.slot_bytes, dtype=torch.uint8)
+    table = layout.segment_table([tensors[0].data_ptr()])
+    for block_ids, slot_ids in [([0, NB], [0, 1]), ([0, -1], [0, 1]), ([0, 1], [0, 4]), ([0, 1], [-1, 0])]:
+        with pytest.raises(ValueError, match="out of range"):
+            copy_runs.copy_blocks(table, np.array(block_ids, np.int64), np.array(slot_ids, np.int64),
+                                  host.data_ptr(), layout.slot_bytes, NB, 4, True)
+        assert not host.any()  # the valid first id was not copied either

@@ -239,6 +239,35 @@ def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir, planned_f
     engine.close()
 
 
+def test_a_layerwise_store_sends_each_layer_once_and_the_rest_at_the_end(disk_dir):
+    """As the connector does: the layers whose attention ran are sent one by one (a repeat
+    is ignored), then wait_for_save's submit_store sends only the layers still missing."""
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    engine = Engine(tensors, disk_dir, host_blocks=8)
+    original = [t[5:8].clone() for t in tensors]
+    job = engine.manager.plan_store("r", keys_of(range(3)), [5, 6, 7])
+    engine.worker.prepare_store_layers(job)
+    engine.worker.submit_store_layer(job, 0)
+    engine.worker.submit_store_layer(job, 0)
+    engine.worker.submit_store(job)
+    assert engine.worker.wait_for_device_reads([job.job_id], timeout=10)
+    reports = []
+    while not reports:
+        reports = engine.worker.poll()
+    engine.manager.on_reports(reports)
+    assert len(reports) == 1 and reports[0].success
+    assert reports[0].num_bytes == 3 * engine.worker.layout.slot_bytes  # every layer once, no layer twice
+    assert engine.worker.poll() == [] and engine.worker.num_jobs_in_flight == 0
+    assert not engine.worker._job_of_transfer  # no transfer made and never sent
+    for t in tensors:
+        t.zero_()
+    _, report = engine.load(keys_of(range(3)), [1, 2, 3])
+    assert report.success and all(torch.equal(t[1:4].view(torch.int16), o.view(torch.int16))
+                                  for t, o in zip(tensors, original))
+    engine.close()
+
+
 def test_a_layerwise_load_never_reads_disk(disk_dir):
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier.layout import detect_layout
-from kvtier.transfer.cpu import CpuCopier, split_by_bytes
+from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer
 from kvtier.worker import tensor_info
@@ -80,10 +80,14 @@ def test_store_then_load_is_byte_exact_with_scattered_ids():
     engine.close()
 
 
-def test_split_by_bytes_covers_every_run_once():
-    lengths = np.array([5, 100, 3, 3, 3, 50, 1], dtype=np.int64)
-    parts = split_by_bytes(lengths, 3)
-    assert [i for p in parts for i in range(p.start, p.stop)] == list(range(len(lengths)))
+def test_a_job_with_a_bad_id_fails_and_the_copier_goes_on():
+    engine, tensors, _, _ = make_engine(num_slots=8)
+    bad = engine.submit(TransferJob(np.array([1, 2]), np.array([0, 8]), True))  # slot 8 of 8
+    good = engine.submit(TransferJob(np.array([1, 2]), np.array([0, 1]), True))
+    results = {r.job_id: r for r in drain(engine, 2)}
+    assert not results[bad].success and "out of range" in results[bad].error
+    assert results[good].success and results[good].num_bytes == 2 * sum(t[0].nbytes for t in tensors)
+    engine.close()
 
 
 @pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""CPU device: blocks are copied by a native memcpy loop on worker threads."""
+"""CPU device: blocks are copied by a native loop (``copy_blocks``, GIL released) on copy threads."""
 
 from __future__ import annotations
 
@@ -16,18 +16,6 @@ from kvtier.layout import KVLayout
 from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult
 
 
-def split_by_bytes(lengths: np.ndarray, num_parts: int) -> list[slice]:
-    """Cut a run list into at most ``num_parts`` consecutive parts of about equal bytes."""
-    if lengths.size == 0:
-        return []
-    if num_parts <= 1 or lengths.size == 1:
-        return [slice(0, int(lengths.size))]  # the common case on the hot path: nothing to compute
-    ends = np.cumsum(lengths)
-    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, num_parts) / num_parts, side="right")
-    bounds = sorted({0, int(lengths.size), *(int(c) for c in cuts)})
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 logger = logging.getLogger("kvtier.transfer")
 
 
@@ -41,6 +29,8 @@ class CpuCopier(DeviceCopier):
         self._host_buffer = host_buffer
         self._tensor_addresses = [t.data_ptr() for t in self._tensors]
         self._host_address = host_buffer.data_ptr()
+        self._num_slots = host_buffer.numel() // layout.slot_bytes
+        self._segments: dict[tuple[int, ...] | None, np.ndarray] = {}  # by tensor_indices
         self._num_threads = num_threads
         # Plain threads on a SimpleQueue: a put is far cheaper for the caller (the compute
         # thread, once per layer) than an executor's submit, which creates a Future and
@@ -63,38 +53,47 @@ class CpuCopier(DeviceCopier):
         return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
-        # Only enqueue: the runs are planned on a copy thread too, so that a caller on the
-        # engine's compute thread (a layer-wise store after each layer) returns at once.
-        self._tasks.put((self._plan_and_copy, job, on_done))
+        # Only enqueue, so that a caller on the engine's compute thread (a layer-wise
+        # store after each layer) returns at once.
+        self._tasks.put((self._copy, job, on_done))
 
-    def _plan_and_copy(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
+    def _copy(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         began = time.perf_counter()
         try:
-            dst, src, lengths = job.runs or self._layout.copy_runs(
-                self._tensor_addresses, self._host_address, job.block_ids, job.slot_ids, job.to_host, job.tensor_indices)
-        except Exception as error:  # a bad plan is a failed job, reported once
+            segments = self._segments.get(job.tensor_indices)
+            if segments is None:  # one table per layer subset, made on first use, read-only after
+                segments = self._segments.setdefault(
+                    job.tensor_indices, self._layout.segment_table(self._tensor_addresses, job.tensor_indices))
+            block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+            if block_ids.shape != slot_ids.shape:
+                raise ValueError("block_ids and slot_ids must have the same length")
+        except Exception as error:  # a bad job is a failed job, reported once
             on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
             return
-        parts = split_by_bytes(lengths, self._num_threads)
-        if not parts:
-            on_done(TransferResult(job.job_id, True, 0, 0.0))
-            return
+        # Split by blocks: every block of a job has the same size, so parts are equal in bytes.
+        parts = [slice(0, block_ids.size)] if self._num_threads <= 1 or block_ids.size < 2 else \
+            [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(block_ids.size), self._num_threads) if p.size]
         remaining = [len(parts)]
+        copied = [0]
         errors: list[str] = []
         lock = threading.Lock()
 
         def run(part: slice) -> None:
             try:
-                copy_runs.copy(dst[part], src[part], lengths[part])
+                num_bytes = copy_runs.copy_blocks(segments, block_ids[part], slot_ids[part], self._host_address,
+                                                  self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
+                                                  job.to_host)
             except Exception as error:
+                num_bytes = 0
                 with lock:
                     errors.append(f"{type(error).__name__}: {error}")
             with lock:
+                copied[0] += num_bytes
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:  # exactly one thread reports the job, after every part has finished
-                on_done(TransferResult(job.job_id, not errors, int(lengths.sum()),
-                                       time.perf_counter() - began, errors[0] if errors else None))
+                on_done(TransferResult(job.job_id, not errors, copied[0], time.perf_counter() - began,
+                                       errors[0] if errors else None))
 
         for part in parts[1:]:  # the other copy threads take these; this one copies the first
             self._tasks.put((run, part))

@@ -31,7 +31,6 @@ class TransferJob:
     to_host: bool
     job_id: int = -1  # set by submit when left at -1
     tensor_indices: tuple[int, ...] | None = None  # only these KV tensors (one layer); None: all
-    runs: tuple | None = None  # CPU: (dst, src, lengths) planned beforehand (layer-wise jobs); None: the copier plans
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,7 @@ class TransferEngine:
 
     def submit(self, job: TransferJob) -> int:
         if job.job_id < 0:
-            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices,
-                              job.runs)
+            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices)
         with self._lock:
             self._in_flight.add(job.job_id)
         try:

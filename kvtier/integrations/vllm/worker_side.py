@@ -31,7 +31,6 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         self._step_layer_loads: list[int] = []  # this step's layer-wise loads
         self._layerwise_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
-        self._stored_layers: dict[int, set[int]] = {}  # layer-wise store job -> layers submitted
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
@@ -86,7 +85,7 @@ class WorkerSide:
             else:
                 self.tier_worker.submit_load(job)
         if self.config.layerwise and self.tier_worker.num_layers == len(self._layer_index):
-            for job in meta.store_jobs:  # plan every layer's copy now, so that save_kv_layer only enqueues
+            for job in meta.store_jobs:  # every layer's transfer made now, so that save_kv_layer only enqueues
                 if job.job_id not in self._submitted_job_ids:
                     self.tier_worker.prepare_store_layers(job)
 
@@ -102,21 +101,13 @@ class WorkerSide:
         # Called right after this layer's attention wrote its KV (on CUDA the copy stream
         # waits for the compute stream at this point: this layer's compute, not the next).
         for job in meta.store_jobs:
-            layers = self._stored_layers.setdefault(job.job_id, set())
-            if layer not in layers:
-                layers.add(layer)
-                self.tier_worker.submit_store_layer(job, layer)
+            self.tier_worker.submit_store_layer(job, layer)  # once per layer: the worker ignores a repeat
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         # Called after the step's forward: the KV that these stores read has been written.
         submitted = []
         for job in self._new_jobs(meta.store_jobs):
-            layers = self._stored_layers.pop(job.job_id, None)
-            if layers is None:
-                self.tier_worker.submit_store(job)
-            else:  # layer-wise: layers whose attention did not run are copied now
-                for layer in set(range(self.tier_worker.num_layers)) - layers:
-                    self.tier_worker.submit_store_layer(job, layer)
+            self.tier_worker.submit_store(job)  # layer-wise: the layers whose attention did not run
             submitted.append(job.job_id)
         if self.config.layerwise and submitted:
             # Every layer of this step is copied before the next step may overwrite anything.
