@@ -3,24 +3,28 @@
 A synthetic model of ``num_layers`` layers runs on one thread; each layer's compute
 (a matrix product, calibrated to at least 1.5 x the layer's transfer time) writes
 that layer's KV for the step's blocks. The last layer's store has no compute after
-it to hide behind, so at most (layers - 1) / layers of the store time can be hidden. Measured in the same run:
+it to hide behind (nor the first layer's load any before it), so at most
+(layers - 1) / layers of a transfer can be hidden. Measured in the same run:
 - compute alone, transfers alone (one layer at a time), and both together with
   layer-wise stores (layer i's store submitted as its compute ends) and layer-wise
   loads (all submitted first; layer i awaited just before its compute);
 - ``overlap_fraction`` = (compute + transfer - together) / transfer, for stores
-  (and ``load_overlap_fraction`` for loads), the median over rounds: 1.0 means the
-  transfer is fully hidden;
+  (and ``load_overlap_fraction`` for loads), the median over rounds, each round
+  taking kvtier's and the peer's stores and loads in a new random order, each
+  against compute-alone runs just before and after it: 1.0 means the transfer is
+  fully hidden;
 - the same, with a plain thread copying the same bytes (runs planned beforehand,
   nothing around the memcpy): ``raw_overlap_fraction`` and
   ``raw_load_overlap_fraction``, what this machine allows, since a copy and the
   compute share memory bandwidth and caches;
-- that stored and loaded bytes are exact.
+- that stored and loaded bytes are exact (the blocks are zeroed before each load).
 Then, on a generated model with a pool, a producer's time to first token with
 layer-wise stores and with whole-request stores.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import random
@@ -85,7 +89,7 @@ class _RawCopier:
 
 
 def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
-        repeats: int = 15) -> dict:
+        repeats: int = 45) -> dict:
     torch.set_num_threads(1)  # compute on one core, copies on the other
     device_blocks = num_blocks * 2
     tensors = [torch.zeros((device_blocks, kv_heads, block_size, 2 * head_size), dtype=torch.bfloat16)
@@ -171,9 +175,14 @@ def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_si
         baselines.setdefault(name, []).append((before + compute_alone()) / 2)
 
     baselines: dict[str, list[float]] = {}
-    exact = True
-    for round_ in range(repeats):
-        keys = [(round_ * 10_000 + i).to_bytes(16, "little") for i in range(num_blocks)]
+    exact = [True]
+    stored_keys: list[bytes] = []  # the last kvtier store's keys, and the bytes it read
+    stored_bytes: list[torch.Tensor] = []
+    store_count = itertools.count()
+
+    def kvtier_store(round_: int) -> None:
+        first = next(store_count) * 10_000  # new keys each time: a load may store first, in any round
+        keys = [(first + i).to_bytes(16, "little") for i in range(num_blocks)]
         job = manager.plan_store("s", keys, block_ids.tolist())
         began = time.perf_counter()
         for layer in range(num_layers):
@@ -193,19 +202,25 @@ def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_si
 
         around("store_overlapped", store_overlapped)
         _drain(worker, manager, 1)
-        expected = [t[block_ids].clone() for t in tensors]  # what the last compute wrote, now stored
+        stored_keys[:] = [k + b"o" for k in keys]
+        stored_bytes[:] = [t[block_ids].clone() for t in tensors]
 
-        load = manager.plan_load("l", [k + b"o" for k in keys], block_ids.tolist(), layerwise=True)
+    def kvtier_load(round_: int) -> None:
+        if not stored_keys:
+            kvtier_store(round_)
+        for tensor in tensors:  # so that only the load can put these bytes back
+            tensor[block_ids] = 0
+        load = manager.plan_load("l", stored_keys, block_ids.tolist(), layerwise=True)
         began = time.perf_counter()
         worker.submit_load_layers(load)
         for layer in range(num_layers):
             worker.wait_for_layer([load.job_id], layer)
         results["load"].append(time.perf_counter() - began)
         _drain(worker, manager, 1)
-        exact &= all(torch.equal(t[block_ids].view(torch.int16), e.view(torch.int16))
-                     for t, e in zip(tensors, expected))
+        exact[0] &= all(torch.equal(t[block_ids].view(torch.int16), e.view(torch.int16))
+                        for t, e in zip(tensors, stored_bytes))
 
-        load = manager.plan_load("l", [k + b"o" for k in keys], block_ids.tolist(), layerwise=True)
+        load = manager.plan_load("l", stored_keys, block_ids.tolist(), layerwise=True)
 
         def load_overlapped() -> float:
             began = time.perf_counter()
@@ -215,11 +230,23 @@ def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_si
 
         around("load_overlapped", load_overlapped)
         _drain(worker, manager, 1)
+        stored_keys.clear()  # the compute wrote over the loaded blocks: the next load stores first
 
+    def raw_store_round(round_: int) -> None:
         results["raw_store"].append(raw(raw_store, False, False))
         around("raw_store_overlapped", lambda: raw(raw_store, True, False))
+
+    def raw_load_round(round_: int) -> None:
         results["raw_load"].append(raw(raw_load, False, True))
         around("raw_load_overlapped", lambda: raw(raw_load, True, True))
+
+    # Each round takes the four measurements in a new order: what runs just before one
+    # (caches, the machine's drift) must not favour kvtier or its peer.
+    order = random.Random(0)
+    steps = [kvtier_store, kvtier_load, raw_store_round, raw_load_round]
+    for round_ in range(repeats):
+        for step in order.sample(steps, len(steps)):
+            step(round_)
     raw_store.close()
     raw_load.close()
     worker.close()
@@ -241,7 +268,7 @@ def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_si
         "raw_store_s": best["raw_store"], "raw_load_s": best["raw_load"],
         "raw_overlap_fraction": overlap("raw_store", "raw_store_overlapped"),
         "raw_load_overlap_fraction": overlap("raw_load", "raw_load_overlapped"),
-        "exact": bool(exact),
+        "exact": bool(exact[0]),
     }
 
 

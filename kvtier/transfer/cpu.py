@@ -30,7 +30,10 @@ class CpuCopier(DeviceCopier):
         self._tensor_addresses = [t.data_ptr() for t in self._tensors]
         self._host_address = host_buffer.data_ptr()
         self._num_slots = host_buffer.numel() // layout.slot_bytes
-        self._segments: dict[tuple[int, ...] | None, np.ndarray] = {}  # by tensor_indices
+        # Segment tables by tensor_indices: all tensors, and each alone (a layer-wise job).
+        self._segments: dict[tuple[int, ...] | None, np.ndarray] = {
+            indices: layout.segment_table(self._tensor_addresses, indices)
+            for indices in [None, *((i,) for i in range(len(self._tensors)))]}
         self._num_threads = num_threads
         # Plain threads on a SimpleQueue: a put is far cheaper for the caller (the compute
         # thread, once per layer) than an executor's submit, which creates a Future and
@@ -61,7 +64,7 @@ class CpuCopier(DeviceCopier):
         began = time.perf_counter()
         try:
             segments = self._segments.get(job.tensor_indices)
-            if segments is None:  # one table per layer subset, made on first use, read-only after
+            if segments is None:  # another subset of tensors: its table made on first use
                 segments = self._segments.setdefault(
                     job.tensor_indices, self._layout.segment_table(self._tensor_addresses, job.tensor_indices))
             block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
