@@ -80,8 +80,9 @@ def test_store_then_load_is_byte_exact_with_scattered_ids():
     engine.close()
 
 
-def test_a_job_with_a_bad_id_fails_and_the_copier_goes_on():
-    engine, tensors, _, _ = make_engine(num_slots=8)
+@pytest.mark.parametrize("threads", [1, 2])  # one part copied in place; parts on several threads
+def test_a_job_with_a_bad_id_fails_and_the_copier_goes_on(threads):
+    engine, tensors, _, _ = make_engine(num_slots=8, threads=threads)
     bad = engine.submit(TransferJob(np.array([1, 2]), np.array([0, 8]), True))  # slot 8 of 8
     good = engine.submit(TransferJob(np.array([1, 2]), np.array([0, 1]), True))
     results = {r.job_id: r for r in drain(engine, 2)}

@@ -73,9 +73,21 @@ class CpuCopier(DeviceCopier):
         except Exception as error:  # a bad job is a failed job, reported once
             on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
             return
+        if self._num_threads == 1 or block_ids.size < 2:
+            # One part: copied here and reported at once. The shortest path: the copy thread
+            # holds the GIL around the copy as briefly as it can (a layer-wise job's compute
+            # thread may be waiting for it between two ops).
+            try:
+                num_bytes = copy_runs.copy_blocks(segments, block_ids, slot_ids, self._host_address,
+                                                  self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
+                                                  job.to_host)
+                result = TransferResult(job.job_id, True, num_bytes, time.perf_counter() - began)
+            except Exception as error:
+                result = TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}")
+            on_done(result)
+            return
         # Split by blocks: every block of a job has the same size, so parts are equal in bytes.
-        parts = [slice(0, block_ids.size)] if self._num_threads <= 1 or block_ids.size < 2 else \
-            [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(block_ids.size), self._num_threads) if p.size]
+        parts = [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(block_ids.size), self._num_threads) if p.size]
         remaining = [len(parts)]
         copied = [0]
         errors: list[str] = []
