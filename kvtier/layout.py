@@ -84,7 +84,12 @@ class KVLayout:
 
         Runs that are adjacent on both sides are merged into one copy.
         """
-        block_ids, slot_ids = self._checked(block_ids, slot_ids)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        slot_ids = np.asarray(slot_ids, dtype=np.int64)
+        if block_ids.shape != slot_ids.shape:
+            raise ValueError("block_ids and slot_ids must have the same length")
+        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
         device_parts, host_parts, length_parts = [], [], []
         slot_base = host_address + slot_ids * self.slot_bytes
         for seg in self.segments_of(tensor_indices):
@@ -97,22 +102,12 @@ class KVLayout:
         dst, src = (host, device) if to_host else (device, host)
         return coalesce(dst, src, lengths)
 
-
     def segment_table(self, tensor_addresses: Sequence[int], tensor_indices: Sequence[int] | None = None) -> np.ndarray:
         """The segments of every tensor (or of ``tensor_indices`` only) as int64 rows
         (device address of block 0's run, stride, slot offset, bytes): what the native
         ``copy_blocks`` walks, so that a copy needs no run list planned per job."""
         return np.array([(tensor_addresses[seg.tensor_index] + seg.offset, seg.stride, seg.slot_offset, seg.nbytes)
                          for seg in self.segments_of(tensor_indices)], dtype=np.int64).reshape(-1, 4)
-
-    def _checked(self, block_ids, slot_ids) -> tuple[np.ndarray, np.ndarray]:
-        block_ids = np.asarray(block_ids, dtype=np.int64)
-        slot_ids = np.asarray(slot_ids, dtype=np.int64)
-        if block_ids.shape != slot_ids.shape:
-            raise ValueError("block_ids and slot_ids must have the same length")
-        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
-        return block_ids, slot_ids
 
     def segments_of(self, tensor_indices: Sequence[int] | None) -> tuple[Segment, ...]:
         if tensor_indices is None:

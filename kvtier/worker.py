@@ -290,7 +290,7 @@ class TierWorker:
             usable = set(load.usable_block_ids) if not load.abandoned else set(job.ready_block_ids)
         available = np.array([block in usable for block in order], dtype=bool)
         try:
-            result = self._broadcaster.load(order, self._host_slots[slots], available)
+            result = self._broadcaster.load(order, self._host_slots, slots, available)
         except Exception as error:  # the other ranks report their blocks as failed
             logger.error("kvtier: broadcast of load job %d failed: %r", job.job_id, error)
             return
@@ -301,7 +301,7 @@ class TierWorker:
         """Other ranks, on the broadcast thread: take rank 0's blocks into the KV cache."""
         order = job.ready_block_ids + job.fill_block_ids
         try:
-            result = self._broadcaster.load(order, None, None)
+            result = self._broadcaster.load(order)
             missing, seconds = [block for block, got in zip(order, result.received) if not got], result.seconds
         except Exception as error:  # reported as failed blocks, so the request is recomputed, never stuck
             logger.error("kvtier: broadcast of load job %d failed: %r", job.job_id, error)

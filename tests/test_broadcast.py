@@ -20,16 +20,17 @@ def _rank_main(rank, world, init_file, scenario, shard_blocks, results):
     tensors = [t.clone() if rank == 0 else torch.zeros_like(t) for t in truth]
     layout = detect_layout([tensor_info(t) for t in tensors], NB, BS)
     block_ids = [3, 4, 5, 17, 30, 31, 32, 8, 9, 1, 0]
-    source = available = None
-    if rank == 0:
-        source = np.stack([np.concatenate([t[b].view(torch.uint8).numpy().reshape(-1) for t in truth])
-                           for b in block_ids])
+    source = slot_ids = available = None
+    if rank == 0:  # the blocks sit in the host pool in reverse order, one free slot at the front
+        rows = [np.concatenate([t[b].view(torch.uint8).numpy().reshape(-1) for t in truth]) for b in block_ids]
+        source = np.stack([np.zeros_like(rows[0])] + rows[::-1])
+        slot_ids = [len(block_ids) - i for i in range(len(block_ids))]
         available = np.ones(len(block_ids), dtype=bool)
         if scenario == "rank0-missing":
             available[[2, 6]] = False
     group = dist.new_group(list(range(world)), backend="gloo")  # kvtier's own group
     broadcaster = ShardedBroadcaster(layout, tensors, group, shard_blocks)
-    result = broadcaster.load(block_ids, source, available, ready=not (scenario == "rank1-not-ready" and rank == 1))
+    result = broadcaster.load(block_ids, source, slot_ids, available, ready=not (scenario == "rank1-not-ready" and rank == 1))
     exact = all(torch.equal(t[b], r[b]) == bool(result.received[i] or rank == 0)
                 for t, r in zip(tensors, truth) for i, b in enumerate(block_ids))
     untouched = all(torch.equal(t[b], r[b]) if rank == 0 else not t[b].any()

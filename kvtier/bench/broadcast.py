@@ -39,7 +39,7 @@ def _rank(rank: int, init_file: str, num_blocks: int, layers: int, shard_blocks:
         times, peaks = [], []
         for _ in range(repeats):
             dist.barrier(group)
-            result = broadcaster.load(block_ids, source, available)
+            result = broadcaster.load(block_ids, source, block_ids if rank == 0 else None, available)
             assert result.ok
             times.append(result.seconds)
             peaks.append(result.peak_buffer_bytes)

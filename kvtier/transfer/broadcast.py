@@ -53,13 +53,15 @@ class ShardedBroadcaster:
         self.src_rank = src_rank
         self.rank = dist.get_rank(group)
 
-    def load(self, block_ids: Sequence[int], source_slots: np.ndarray | None, available: np.ndarray | None,
+    def load(self, block_ids: Sequence[int], host_slots: np.ndarray | None = None,
+             slot_ids: Sequence[int] | None = None, available: np.ndarray | None = None,
              ready: bool = True) -> BroadcastResult:
         """Deliver ``block_ids`` (the same list on every rank) into every rank's KV cache.
 
-        On rank 0, ``source_slots`` is a ``[num_blocks, slot_bytes]`` uint8 view of the
-        host slots holding them and ``available`` marks which of them it has;
-        other ranks pass None. ``ready`` is this rank's own ability to take part.
+        On rank 0, ``host_slots`` is the ``[num_slots, slot_bytes]`` uint8 host pool,
+        ``slot_ids[i]`` the slot holding ``block_ids[i]``, and ``available`` marks which
+        of them it has; other ranks pass none of these. The slots must stay pinned until
+        this returns. ``ready`` is this rank's own ability to take part.
         """
         began = time.perf_counter()
         n = len(block_ids)
@@ -77,14 +79,15 @@ class ShardedBroadcaster:
         sendable = np.flatnonzero(mask.numpy().astype(bool))  # same on every rank
         shards = [sendable[i:i + self.shard_blocks] for i in range(0, len(sendable), self.shard_blocks)]
         slot_bytes = self.layout.slot_bytes
+        slots_of_blocks = np.asarray(slot_ids, dtype=np.int64) if self.rank == self.src_rank else None
         live_bytes = peak = 0
         pending: list[tuple[np.ndarray, torch.Tensor, object]] = []
 
         def post(shard: np.ndarray):
             nonlocal live_bytes, peak
             if self.rank == self.src_rank:
-                # Rank 0 sends straight from its host slots when they are one contiguous run.
-                buffer = torch.from_numpy(np.ascontiguousarray(source_slots[shard]))
+                # Rank 0 gathers this shard's slots into one buffer: one shard at a time, never the prompt.
+                buffer = torch.from_numpy(host_slots[slots_of_blocks[shard]])
             else:
                 buffer = torch.empty((len(shard), slot_bytes), dtype=torch.uint8)
             live_bytes += buffer.numel()
