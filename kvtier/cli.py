@@ -22,11 +22,13 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 def _bench_transfer(args) -> dict:
     from rich.progress import Progress
 
+    if args.device == "cuda":
+        return _bench_transfer_cuda(args)
     from kvtier.bench import transfer
 
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("bench transfer", total=args.repeats * 2 + 2)
-        result = transfer.run(gib=args.gib, repeats=args.repeats, disk_dir=args.disk_dir,
+        result = transfer.run(gib=args.gib if args.gib is not None else 1.0, repeats=args.repeats, disk_dir=args.disk_dir,
                               progress=lambda: progress.advance(task))
     if not args.json:
         _print_table(f"kvtier bench transfer ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} scattered blocks)", [
@@ -38,6 +40,33 @@ def _bench_transfer(args) -> dict:
             ("plain file write / read GB/s", f"{result['file_write_gbps']:.2f} / {result['file_read_gbps']:.2f}"),
             ("key hashing, tokens/s", f"{result['hash_tokens_per_s']:.3g}"),
         ])
+    return result
+
+
+def _bench_transfer_cuda(args) -> dict:
+    from rich.progress import Progress
+
+    from kvtier.bench import transfer_cuda
+
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("bench transfer --device cuda", total=2 * args.repeats)
+        result = transfer_cuda.run(gib=args.gib if args.gib is not None else 4.0, repeats=args.repeats,
+                                   progress=lambda: progress.advance(task))
+    if not args.json:
+        rows = []
+        for case in ("scattered", "contiguous"):
+            r = result[case]
+            rows += [(f"{case}: offload GB/s (vs memcpy D2H)", f"{r['offload_gbps']:.2f} ({r['offload_vs_memcpy']:.2f}x)"),
+                     (f"{case}: load GB/s (vs memcpy H2D)", f"{r['load_gbps']:.2f} ({r['load_vs_memcpy']:.2f}x)"),
+                     (f"{case}: both at once GB/s (vs both memcpys)", f"{r['both_gbps']:.2f} ({r['both_vs_memcpy']:.2f}x)")]
+        rows += [("memcpy D2H / H2D GB/s", f"{result['scattered']['memcpy_d2h_gbps']:.2f} / "
+                                             f"{result['scattered']['memcpy_h2d_gbps']:.2f}"),
+                 ("round trip byte-exact", str(result["exact"])),
+                 ("store submit, host us (median / p99)", f"{result['store_submit_us_median']:.0f} / "
+                                                          f"{result['store_submit_us_p99']:.0f}"),
+                 ("compute stream slowdown with a store a step", f"{100 * result['compute_slowdown']:.1f}%")]
+        _print_table(f"kvtier bench transfer --device cuda ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} "
+                     f"blocks of {result['slot_bytes'] >> 20} MiB, {result['device']}, {result['mover']})", rows)
     return result
 
 
@@ -60,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks, each against a peer measured in the same run")
     benches = bench.add_subparsers(dest="bench", required=True)
     transfer = benches.add_parser("transfer", help="host pool and disk tier throughput vs memcpy and plain files")
-    transfer.add_argument("--gib", type=float, default=1.0, help="bytes of blocks to move (default 1 GiB)")
+    transfer.add_argument("--gib", type=float, default=None,
+                          help="bytes of blocks to move (default 1 GiB on the CPU, 4 GiB on CUDA)")
+    transfer.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                          help="cpu: host pool and disk tier (vLLM CPU layout); cuda: the CUDA copier "
+                               "(FlashAttention layout, pinned host pool)")
     transfer.add_argument("--repeats", type=int, default=3)
     transfer.add_argument("--disk-dir", default=None, help="where the disk benchmark writes (default: a temp dir)")
     transfer.add_argument("--json", action="store_true", help="print the results as JSON")

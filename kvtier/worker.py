@@ -161,6 +161,8 @@ class TierWorker:
         """Block until ``layer`` of these layer-wise loads is in the device cache."""
         wanted = {self._loads[j].layer_transfer_ids[layer] for j in load_job_ids
                   if j in self._loads and layer in self._loads[j].layer_transfer_ids}
+        if self.transfers.order_compute_after(wanted):
+            return True  # CUDA: the compute stream waits for the layer's copy; the host goes on
         return self.transfers.wait(wanted, timeout)
 
     def submit_load(self, job: LoadJob) -> None:
@@ -457,22 +459,29 @@ class TierWorker:
     def _verify(self, load: _Load) -> None:
         """Test mode: read the loaded device blocks back and compare them with the
         bytes their host slot received (from the device, a disk entry or the pool)."""
-        if self.device_is_cuda:
-            return
-        from kvtier._native import copy_runs
         scratch = np.empty((1, self.layout.slot_bytes), np.uint8)
-        addresses = [t.data_ptr() for t in self.tensors]
         for block_id, slot_id, key in zip(load.usable_block_ids, load.usable_slot_ids, load.usable_keys):
             expected = self._slot_checksums.get(slot_id)
             if expected is None:
                 continue
-            dst, src, lengths = self.layout.copy_runs(addresses, scratch.ctypes.data, np.array([block_id]),
-                                                      np.array([0]), to_host=True)
-            copy_runs.copy(dst, src, lengths)
+            self._read_back(block_id, scratch)
             if checksum(scratch[0]) != expected:
                 self.num_verify_failures += 1
                 logger.error("kvtier: loaded block %d (key %s) differs from what was stored", block_id, key.hex())
                 load.report.failed_block_ids.append(block_id)
+
+    def _read_back(self, block_id: int, scratch: np.ndarray) -> None:
+        """Copy one device block into ``scratch`` in slot layout (test mode, synchronous)."""
+        if self.device_is_cuda:
+            from kvtier.transfer.cuda import segment_views
+            views = segment_views(self.layout, self.tensors)  # the load's event was seen: its copies are done
+            scratch[0] = torch.cat([view[block_id] for view in views]).cpu().numpy()
+            return
+        from kvtier._native import copy_runs
+        addresses = [t.data_ptr() for t in self.tensors]
+        dst, src, lengths = self.layout.copy_runs(addresses, scratch.ctypes.data, np.array([block_id]),
+                                                  np.array([0]), to_host=True)
+        copy_runs.copy(dst, src, lengths)
 
     # --- ordering helpers ---------------------------------------------------
     def device_reads_done(self, store_job_id: int) -> bool:
@@ -484,6 +493,10 @@ class TierWorker:
         wanted_jobs = set(store_job_ids)
         with self._lock:
             wanted = {t for t, (is_load, j) in self._job_of_transfer.items() if not is_load and j in wanted_jobs}
+        if self.transfers.order_compute_after(wanted):
+            # CUDA: what the engine queues next (the writes that reuse these blocks, and loads,
+            # whose streams wait for the compute stream) runs after the copies; no host wait.
+            return True
         return self.transfers.wait(wanted, timeout)
 
     def wait_for_stores(self, store_job_ids: Sequence[int], timeout: float) -> bool:

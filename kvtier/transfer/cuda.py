@@ -1,16 +1,27 @@
 """CUDA device: pooled streams and events, pinned host memory, coalesced DMA.
 
-Each job gets its own stream from a pool, so a long queue of jobs never fills one
-stream's queue and ``start`` never blocks the model (vLLM #29013). A store first
-makes its stream wait for the compute stream, so it never copies KV that the
-model has not finished writing (vLLM #31341). Blocks are gathered on the device
-into a staging buffer laid out like host slots; each run of consecutive slot ids
-then moves in one DMA (the ``swap_cache_layout`` idea). Streams, events and
-staging buffers go back to their pools on every path, failures included.
+Each job gets streams from a pool, so a long queue of jobs never fills one
+stream's queue (vLLM #29013), and ``start`` never waits on the host: block ids go
+to the device from pinned memory, asynchronously. Before a job touches the KV
+cache its streams wait for the compute stream: a store so that it copies the KV
+the model wrote, not what was there before (vLLM #31341); a load so that it does
+not overwrite blocks that queued compute still reads. After a load, the compute
+stream reads the blocks only once the load's event says so
+(``order_compute_after``), or the caller has seen the job finish in ``poll_done``.
+
+A whole-slot job gathers its blocks on the device into a staging buffer laid out
+like host slots (one launch for every segment, ``cuda_kernels``), in chunks of at
+most ``staging_bytes / 2`` that alternate between two streams, so that one
+chunk's gather overlaps the other's DMA; each run of consecutive slot ids of a
+chunk moves in one DMA. A layer-wise job moves its layer's part of each run of
+slots in one 2-D DMA (``cudaMemcpy2DAsync``).
+Streams, events and staging buffers go back to their pools on every path,
+failures included.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +31,11 @@ import numpy as np
 import torch
 
 from kvtier.layout import KVLayout
+from kvtier.transfer.cuda_kernels import load_block_mover
 from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult
+
+STAGING_BYTES = 64 << 20  # per job, both lanes' buffers: bounds the device memory a copy borrows
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 
 
 def consecutive_runs(slot_ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -43,93 +58,318 @@ def segment_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[tor
     return views
 
 
+class CudaRuntime:
+    """The two copies torch does not offer cheaply, from the CUDA runtime torch loaded.
+
+    ``memcpy_2d``: torch has no strided copy into pinned host memory (it stages through
+    pageable memory and waits), and a layer's part of consecutive slots is strided.
+    ``memcpy``: one DMA for a run of slots, without a torch op's bookkeeping (a scattered
+    job issues one per slot). The library is found among those already mapped, so it is
+    torch's own; ctypes releases the GIL around each call.
+    """
+
+    def __init__(self, library: ctypes.CDLL):
+        self._memcpy_2d = library.cudaMemcpy2DAsync
+        self._memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._memcpy_2d.restype = ctypes.c_int
+        self._memcpy = library.cudaMemcpyAsync
+        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                  stream: int) -> None:
+        status = self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
+        if status != 0:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        status = self._memcpy(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
+        if status != 0:
+            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {status}")
+
+
+def load_cuda_runtime() -> CudaRuntime | None:
+    """torch's CUDA runtime, or None where it cannot be found (the copier then uses torch ops)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return CudaRuntime(ctypes.CDLL(path))
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 @dataclass
 class _InFlight:
     job: TransferJob
-    stream: torch.cuda.Stream
-    event: torch.cuda.Event
-    staging: torch.Tensor  # kept alive until the event says every copy reading it has finished
+    streams: list[torch.cuda.Stream]
+    events: list[torch.cuda.Event]  # events[0] completes when the whole job has
+    keep_alive: tuple  # ids and staging buffers: alive until events[0] says no copy reads them
     began: float
     num_bytes: int
 
 
 class CudaCopier(DeviceCopier):
-    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor):
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor,
+                 staging_bytes: int = STAGING_BYTES, runtime="auto", block_mover="auto"):
         if not host_buffer.is_pinned():
             raise ValueError("the CUDA copier needs a pinned host buffer")
         self._layout = layout
         self._device = tensors[0].device
+        self._tensors = list(tensors)  # copies use their memory: keep it alive
         self._views = segment_views(layout, tensors)
+        self._host_buffer = host_buffer
         self._host_slots = host_buffer.view(-1, layout.slot_bytes)
+        self._num_slots = self._host_slots.shape[0]
+        self._staging_bytes = staging_bytes
+        self._runtime = load_cuda_runtime() if runtime == "auto" else runtime
+        self._block_mover = load_block_mover() if block_mover == "auto" else block_mover
+        self._movers: dict = {}  # tensor_indices -> (segments with staging columns, mover)
+        # The stream the model computes on: the current stream of the thread that builds
+        # the copier (vLLM's, in register_kv_caches). Jobs also wait for their caller's.
+        self._compute_stream = torch.cuda.current_stream(self._device)
         self._stream_pool: list[torch.cuda.Stream] = []
         self._event_pool: list[torch.cuda.Event] = []
+        self.num_streams_made = 0
+        self.num_events_made = 0
         self._in_flight: list[_InFlight] = []
         self._lock = threading.Lock()  # start() may run on I/O threads while poll_done() runs on the engine's
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Pay every first-use cost now, at start-up, not in a step: the movers' compilation
+        (block 0 gathered and written back unchanged, whole and per layer), and one store
+        and one load of block 0 through slot 0 on each path (the host pool is still empty),
+        which sets up the pooled stream, the allocator's blocks for it and the runtime."""
+        if self._block_mover is not None:
+            ids = torch.zeros(1, dtype=torch.int64, device=self._device)
+            for tensor_indices in (None, *((i,) for i in range(len(self._tensors)))):
+                members, mover = self._mover(tensor_indices)
+                width = sum(seg.nbytes for seg, _, _ in members)
+                scratch = torch.empty((1, width), dtype=torch.uint8, device=self._device)
+                mover(ids, scratch, to_staging=True)
+                mover(ids, scratch, to_staging=False)
+        zero = np.zeros(1, np.int64)
+        for tensor_indices in (None, (0,)):
+            for to_host in (True, False):  # the load writes back what the store just read
+                self.start(TransferJob(zero, zero, to_host, -1, tensor_indices), on_done=None)
+                torch.cuda.synchronize(self._device)
+                self.poll_done()
 
     def job_bytes(self, job: TransferJob) -> int:
         return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
 
-    def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
+    @property
+    def num_idle_streams(self) -> int:
+        return len(self._stream_pool)
+
+    @property
+    def num_idle_events(self) -> int:
+        return len(self._event_pool)
+
+    def _checked_ids(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
+        # Checked on the host before anything is queued: an id out of range on the device
+        # is a device-side assert, which poisons the whole CUDA context, the engine's too.
+        block_ids, slot_ids = np.array(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+        if block_ids.ndim != 1 or block_ids.shape != slot_ids.shape:
+            raise ValueError("block_ids and slot_ids must be 1-D and of the same length")
+        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self._layout.num_blocks):
+            raise ValueError(f"block id out of range [0, {self._layout.num_blocks})")
+        if slot_ids.size and (slot_ids.min() < 0 or slot_ids.max() >= self._num_slots):
+            raise ValueError(f"slot id out of range [0, {self._num_slots})")
+        return block_ids, slot_ids
+
+    def _take(self, num_lanes: int) -> tuple[list[torch.cuda.Stream], list[torch.cuda.Event]]:
+        streams, events = [], []
         with self._lock:
-            stream = self._stream_pool.pop() if self._stream_pool else torch.cuda.Stream(self._device)
-            event = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
-        try:
-            if job.to_host:
-                # The model writes KV on the compute stream: copy only after it is done.
-                stream.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(stream):
-                ids = torch.from_numpy(np.asarray(job.block_ids, dtype=np.int64)).to(self._device)
-                staging = torch.empty((len(job.block_ids), self._layout.slot_bytes), dtype=torch.uint8,
-                                      device=self._device)
-                runs = consecutive_runs(np.asarray(job.slot_ids, dtype=np.int64))
-                if job.tensor_indices is not None:  # one layer: only its segments of each slot move
-                    self._copy_layer(job, ids, staging)
-                elif job.to_host:
-                    for seg, view in zip(self._layout.segments, self._views):
-                        staging[:, seg.slot_offset: seg.slot_offset + seg.nbytes].copy_(view.index_select(0, ids))
-                    for position, first_slot, count in runs:
-                        self._host_slots[first_slot: first_slot + count].copy_(
-                            staging[position: position + count], non_blocking=True)
+            for _ in range(num_lanes):
+                if self._stream_pool:
+                    streams.append(self._stream_pool.pop())
                 else:
-                    for position, first_slot, count in runs:
-                        staging[position: position + count].copy_(
-                            self._host_slots[first_slot: first_slot + count], non_blocking=True)
-                    for seg, view in zip(self._layout.segments, self._views):
-                        view.index_copy_(0, ids, staging[:, seg.slot_offset: seg.slot_offset + seg.nbytes])
-                # Completion marker: the job is done when every copy above is.
-                event.record(stream)
+                    streams.append(torch.cuda.Stream(self._device))
+                    self.num_streams_made += 1
+                if self._event_pool:
+                    events.append(self._event_pool.pop())
+                else:
+                    events.append(torch.cuda.Event())
+                    self.num_events_made += 1
+        return streams, events
+
+    def _give_back(self, streams, events) -> None:
+        with self._lock:
+            self._stream_pool.extend(streams)
+            self._event_pool.extend(events)
+
+    def _mover(self, tensor_indices: tuple[int, ...] | None) -> tuple[list[tuple[object, torch.Tensor, int]], object]:
+        """(segment, view, staging column) of a job's segments, and their one-launch mover
+        (None without Triton). A whole-slot job's staging row is a slot; a layer job's is
+        its segments one after the other, in slot order."""
+        cached = self._movers.get(tensor_indices)
+        if cached is None:
+            members, column = [], 0
+            for seg, view in zip(self._layout.segments, self._views):
+                if tensor_indices is None or seg.tensor_index in tensor_indices:
+                    members.append((seg, view, seg.slot_offset if tensor_indices is None else column))
+                    column += seg.nbytes
+            mover = None
+            if self._block_mover is not None and members:
+                rows = np.array([(self._tensors[seg.tensor_index].data_ptr() + seg.offset, seg.stride, at, seg.nbytes)
+                                 for seg, _, at in members], dtype=np.int64)
+                row_bytes = self._layout.slot_bytes if tensor_indices is None else column
+                mover = self._block_mover(rows, row_bytes, self._device)
+            cached = self._movers.setdefault(tensor_indices, (members, mover))
+        return cached
+
+    def _gather(self, tensor_indices, device_ids: torch.Tensor, staging: torch.Tensor, to_staging: bool) -> None:
+        """KV cache blocks <-> staging rows: one launch with Triton, else one op per segment."""
+        members, mover = self._mover(tensor_indices)
+        if mover is not None:
+            mover(device_ids, staging, to_staging)
+            return
+        for seg, view, at in members:
+            if to_staging:
+                staging[:, at: at + seg.nbytes].copy_(view.index_select(0, device_ids))
+            else:
+                view.index_copy_(0, device_ids, staging[:, at: at + seg.nbytes])
+
+    def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
+        block_ids, slot_ids = self._checked_ids(job)
+        rows_per_chunk = max(1, self._staging_bytes // 2 // self._layout.slot_bytes)
+        num_lanes = 2 if job.tensor_indices is None and block_ids.size > rows_per_chunk else 1
+        streams, events = self._take(num_lanes)
+        try:
+            with torch.cuda.device(self._device), torch.cuda.stream(streams[0]):
+                # Uploaded before the wait below, while this pooled stream is idle: a pageable
+                # upload waits for its own stream only, so the host never waits for compute.
+                device_ids = torch.from_numpy(block_ids).to(self._device, non_blocking=True)
+                # The KV cache is written and read on the compute stream: copy only after the
+                # work queued there so far (the store's KV written; the load's targets read).
+                streams[0].wait_stream(self._compute_stream)
+                caller = torch.cuda.current_stream(self._device)
+                if caller != self._compute_stream:
+                    streams[0].wait_stream(caller)
+                for other in streams[1:]:
+                    other.wait_stream(streams[0])  # after the compute stream and the id upload
+                if job.tensor_indices is None:
+                    staging = self._copy_slots(streams, device_ids, slot_ids, job.to_host, rows_per_chunk)
+                else:
+                    staging = self._copy_layer(device_ids, slot_ids, job.to_host, job.tensor_indices)
+                for other, event in zip(streams[1:], events[1:]):
+                    event.record(other)
+                    streams[0].wait_event(event)  # the job's end waits for the second lane's copies
+                events[0].record(streams[0])  # completion marker: the job is done when every copy above is
         except BaseException:
-            with self._lock:  # nothing of this job is in flight: return both now
-                self._stream_pool.append(stream)
-                self._event_pool.append(event)
+            for stream in streams:
+                stream.synchronize()  # nothing of a failed job may still write a slot once it is reported
+            self._give_back(streams, events)
             raise
         with self._lock:
-            self._in_flight.append(_InFlight(job, stream, event, staging, time.perf_counter(), self.job_bytes(job)))
+            self._in_flight.append(_InFlight(job, streams, events, (block_ids, device_ids, staging),
+                                             time.perf_counter(), self.job_bytes(job)))
 
-    def _copy_layer(self, job: TransferJob, ids: torch.Tensor, staging: torch.Tensor) -> None:
-        segments = [(seg, view) for seg, view in zip(self._layout.segments, self._views)
-                    if seg.tensor_index in set(job.tensor_indices)]
-        slot_ids = [int(s) for s in job.slot_ids]
-        for seg, view in segments:
-            columns = slice(seg.slot_offset, seg.slot_offset + seg.nbytes)
-            if job.to_host:
-                staging[:, columns].copy_(view.index_select(0, ids))
-                for position, slot in enumerate(slot_ids):  # a layer's part of a slot is one contiguous run
-                    self._host_slots[slot, columns].copy_(staging[position, columns], non_blocking=True)
-            else:
-                for position, slot in enumerate(slot_ids):
-                    staging[position, columns].copy_(self._host_slots[slot, columns], non_blocking=True)
-                view.index_copy_(0, ids, staging[:, columns])
+    def _copy_slots(self, streams, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool,
+                    rows_per_chunk: int) -> list[torch.Tensor]:
+        """Whole slots, chunk by chunk; chunk k on lane k % 2 with that lane's staging buffer,
+        so one lane's gather overlaps the other's DMA."""
+        num_rows = min(rows_per_chunk, slot_ids.size)
+        staging = []
+        for stream in streams:
+            with torch.cuda.stream(stream):  # allocated on the lane that uses it
+                staging.append(torch.empty((num_rows, self._layout.slot_bytes), dtype=torch.uint8,
+                                           device=self._device))
+        for chunk, first in enumerate(range(0, slot_ids.size, rows_per_chunk)):
+            lane = chunk % len(streams)
+            last = min(first + rows_per_chunk, slot_ids.size)
+            ids, part = device_ids[first:last], staging[lane][:last - first]
+            runs = consecutive_runs(slot_ids[first:last])
+            # One lane's chunks run in order on its stream, so reusing its buffer is safe.
+            with torch.cuda.stream(streams[lane]):
+                if to_host:
+                    self._gather(None, ids, part, to_staging=True)
+                    self._move_runs(part, runs, to_host)
+                else:
+                    self._move_runs(part, runs, to_host)
+                    self._gather(None, ids, part, to_staging=False)
+        return staging
+
+    def _move_runs(self, part: torch.Tensor, runs: list[tuple[int, int, int]], to_host: bool) -> None:
+        """staging rows <-> host slots, one DMA per run of consecutive slots."""
+        if self._runtime is None:
+            for position, first_slot, count in runs:
+                host, device = self._host_slots[first_slot: first_slot + count], part[position: position + count]
+                (host.copy_(device, non_blocking=True) if to_host else device.copy_(host, non_blocking=True))
+            return
+        slot_bytes, stream = self._layout.slot_bytes, torch.cuda.current_stream(self._device).cuda_stream
+        host_base, device_base = self._host_buffer.data_ptr(), part.data_ptr()
+        for position, first_slot, count in runs:
+            host, device = host_base + first_slot * slot_bytes, device_base + position * slot_bytes
+            self._runtime.memcpy(host, device, count * slot_bytes, stream) if to_host else \
+                self._runtime.memcpy(device, host, count * slot_bytes, stream)
+
+    def _copy_layer(self, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool,
+                    tensor_indices: tuple[int, ...]) -> torch.Tensor:
+        """Some tensors (one layer): each tensor's part of a slot is one contiguous range of
+        columns, so a run of consecutive slots is one strided (2-D) host region per tensor."""
+        members, _ = self._mover(tensor_indices)
+        width = sum(seg.nbytes for seg, _, _ in members)
+        staging = torch.empty((slot_ids.size, width), dtype=torch.uint8, device=self._device)
+        runs = consecutive_runs(slot_ids)
+        groups: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (staging column, slot offset, bytes)
+        for seg, _, at in members:
+            groups.setdefault(seg.tensor_index, []).append((at, seg.slot_offset, seg.nbytes))
+        if to_host:
+            self._gather(tensor_indices, device_ids, staging, to_staging=True)
+        for parts in groups.values():
+            self._move_columns(staging, parts[0][0], parts[0][1], sum(n for _, _, n in parts), runs, to_host)
+        if not to_host:
+            self._gather(tensor_indices, device_ids, staging, to_staging=False)
+        return staging
+
+    def _move_columns(self, staging: torch.Tensor, column: int, host_column: int, nbytes: int,
+                      runs: list[tuple[int, int, int]], to_host: bool) -> None:
+        """staging[:, column:+nbytes] <-> host_slots[slot, host_column:+nbytes] for every run."""
+        if self._runtime is None:  # no runtime found: one DMA per slot
+            for position, first_slot, count in runs:
+                for i in range(count):
+                    host = self._host_slots[first_slot + i, host_column: host_column + nbytes]
+                    device = staging[position + i, column: column + nbytes]
+                    (host.copy_(device, non_blocking=True) if to_host else device.copy_(host, non_blocking=True))
+            return
+        slot_bytes, row_bytes = self._layout.slot_bytes, staging.shape[1]
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        for position, first_slot, count in runs:
+            host = self._host_buffer.data_ptr() + first_slot * slot_bytes + host_column
+            device = staging.data_ptr() + position * row_bytes + column
+            dst, dst_pitch, src, src_pitch = ((host, slot_bytes, device, row_bytes) if to_host
+                                              else (device, row_bytes, host, slot_bytes))
+            self._runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, nbytes, count, stream)
+
+    def order_compute_after(self, job_ids) -> bool:
+        """Make the caller's current stream wait for these jobs' copies, without waiting on
+        the host: what it queues next (the next layer's attention) reads the loaded blocks."""
+        compute = torch.cuda.current_stream(self._device)
+        wanted = set(job_ids)
+        with self._lock:  # a finished job's event may go back to the pool meanwhile: not under the lock
+            for record in self._in_flight:
+                if record.job.job_id in wanted:
+                    compute.wait_event(record.events[0])
+        return True
 
     def poll_done(self) -> list[TransferResult]:
         finished, still = [], []
         with self._lock:
             for record in self._in_flight:
-                if record.event.query():
+                if record.events[0].query():
                     finished.append(TransferResult(record.job.job_id, True, record.num_bytes,
                                                    time.perf_counter() - record.began))
-                    self._stream_pool.append(record.stream)  # the event says the stream's work is done
-                    self._event_pool.append(record.event)
+                    # The event says every lane's work is done: streams, events and buffers are free.
+                    self._stream_pool.extend(record.streams)
+                    self._event_pool.extend(record.events)
                 else:
                     still.append(record)
             self._in_flight = still
@@ -139,5 +379,5 @@ class CudaCopier(DeviceCopier):
         with self._lock:
             pending = list(self._in_flight)
         for record in pending:
-            record.event.synchronize()
+            record.events[0].synchronize()
         self.poll_done()

@@ -58,6 +58,11 @@ class DeviceCopier(ABC):
     @abstractmethod
     def job_bytes(self, job: TransferJob) -> int: ...
 
+    def order_compute_after(self, job_ids) -> bool:
+        """Order the engine's next compute after these jobs without waiting on the host, if
+        the device can (CUDA: a stream waits for events). False: the caller must wait."""
+        return False
+
     def close(self) -> None:
         return None
 
@@ -112,6 +117,10 @@ class TransferEngine:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 self._done.wait(timeout=0.001)
+
+    def order_compute_after(self, job_ids) -> bool:
+        """True if the device orders the next compute after ``job_ids`` (see DeviceCopier)."""
+        return self._copier.order_compute_after(job_ids)
 
     @property
     def num_in_flight(self) -> int:

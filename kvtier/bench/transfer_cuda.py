@@ -1,0 +1,175 @@
+"""``kvtier bench transfer --device cuda``: the CUDA copier against plain copies.
+
+A FlashAttention-layout KV cache (per layer ``[2, num_blocks, block_size, kv_heads,
+head_size]``, bf16) on the GPU and a pinned host pool. kvtier's offload (device ->
+host slots) and load (host slots -> device) of ``gib`` GiB of blocks, scattered
+(random device blocks, random slots) and in contiguous runs, are timed from submit
+to the job's completion on the host. The peer is one plain ``copy_`` of the same
+number of bytes between a pinned buffer and device memory (a ``cudaMemcpyAsync``),
+timed the same way, in the same run: each direction alone, and both directions at
+once beside kvtier's store and load at once. Every figure is the median of
+``repeats`` runs.
+
+It also measures what a store costs the model's step: the host time of submitting
+a 32-block store while the compute stream is busy, and how much longer a chain of
+matrix products takes on the compute stream when a store is submitted after each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvtier.layout import detect_layout
+from kvtier.transfer.cuda import CudaCopier
+from kvtier.transfer.engine import TransferEngine, TransferJob
+from kvtier.transfer.host_buffer import allocate_host_buffer
+from kvtier.worker import tensor_info
+
+
+def _timed(function) -> float:
+    began = time.perf_counter()
+    function()
+    return time.perf_counter() - began
+
+
+def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: int = 8, head_size: int = 128,
+        repeats: int = 5, progress=None, block_mover="auto") -> dict:
+    device = torch.device("cuda")
+    block_bytes = 2 * block_size * kv_heads * head_size * 2  # one layer's K and V of one block, bf16
+    slot_bytes = block_bytes * num_layers
+    num_moved = max(1, int(gib * (1 << 30)) // slot_bytes)
+    num_blocks = 2 * num_moved + num_moved // 4  # two disjoint sets (store and load at once), and spare
+    tensors = [torch.empty((2, num_blocks, block_size, kv_heads, head_size), dtype=torch.bfloat16, device=device)
+               for _ in range(num_layers)]
+    for tensor in tensors:
+        tensor.view(torch.int16).random_()
+    layout = detect_layout([tensor_info(t) for t in tensors], num_blocks, block_size)
+    host = allocate_host_buffer(2 * num_moved, slot_bytes, pin=True)
+    copier = CudaCopier(layout, tensors, host, block_mover=block_mover)
+    engine = TransferEngine(copier)
+    moved_bytes = num_moved * slot_bytes
+    rng = np.random.default_rng(0)
+    shuffled = rng.permutation(num_blocks)
+    cases = {
+        "scattered": (shuffled[:num_moved], rng.permutation(num_moved),
+                      shuffled[num_moved: 2 * num_moved], num_moved + rng.permutation(num_moved)),
+        "contiguous": (np.arange(num_moved), np.arange(num_moved),
+                       np.arange(num_moved, 2 * num_moved), np.arange(num_moved, 2 * num_moved)),
+    }
+
+    def kvtier(*jobs: TransferJob) -> float:
+        def go():
+            ids = [engine.submit(job) for job in jobs]
+            assert engine.wait(ids, timeout=600)
+            results = engine.poll()
+            assert len(results) == len(jobs) and all(r.success for r in results), results
+        return _timed(go)
+
+    pinned = host.view(2, -1)[:, :moved_bytes]  # two pinned regions of the moved size
+    plain_device = torch.empty((2, moved_bytes), dtype=torch.uint8, device=device)
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def plain(*directions: bool) -> float:
+        def go():
+            for index, to_host in enumerate(directions):
+                with torch.cuda.stream(streams[index]):
+                    if to_host:
+                        pinned[index].copy_(plain_device[index], non_blocking=True)
+                    else:
+                        plain_device[index].copy_(pinned[index], non_blocking=True)
+            for stream in streams[:len(directions)]:
+                stream.synchronize()
+        return _timed(go)
+
+    results: dict = {"bytes": moved_bytes, "blocks": num_moved, "slot_bytes": slot_bytes,
+                     "layer_block_bytes": block_bytes, "device": torch.cuda.get_device_name(device),
+                     "mover": "triton" if copier._block_mover is not None else "torch ops"}
+    for name, (store_ids, store_slots, load_ids, load_slots) in cases.items():
+        samples: dict[str, list[float]] = {k: [] for k in ("offload", "load", "both", "d2h", "h2d", "plain_both")}
+        for _ in range(repeats):
+            samples["d2h"].append(plain(True))
+            samples["offload"].append(kvtier(TransferJob(store_ids, store_slots, True)))
+            samples["h2d"].append(plain(False))
+            samples["load"].append(kvtier(TransferJob(store_ids, store_slots, False)))
+            samples["plain_both"].append(plain(True, False))
+            samples["both"].append(kvtier(TransferJob(store_ids, store_slots, True),
+                                          TransferJob(load_ids, load_slots, False)))
+            if progress:
+                progress()
+        median = {k: statistics.median(v) for k, v in samples.items()}
+        figures = {
+            "offload_gbps": moved_bytes / median["offload"] / 1e9,
+            "load_gbps": moved_bytes / median["load"] / 1e9,
+            "memcpy_d2h_gbps": moved_bytes / median["d2h"] / 1e9,
+            "memcpy_h2d_gbps": moved_bytes / median["h2d"] / 1e9,
+            "both_gbps": 2 * moved_bytes / median["both"] / 1e9,
+            "memcpy_both_gbps": 2 * moved_bytes / median["plain_both"] / 1e9,
+        }
+        figures["offload_vs_memcpy"] = figures["offload_gbps"] / figures["memcpy_d2h_gbps"]
+        figures["load_vs_memcpy"] = figures["load_gbps"] / figures["memcpy_h2d_gbps"]
+        figures["both_vs_memcpy"] = figures["both_gbps"] / figures["memcpy_both_gbps"]
+        results[name] = figures
+    results["exact"] = _round_trip_is_exact(engine, tensors, *cases["scattered"])
+    results.update(_step_cost(engine, tensors, num_blocks))
+    engine.close()
+    return results
+
+
+def _round_trip_is_exact(engine, tensors, store_ids, store_slots, load_ids, load_slots) -> bool:
+    """Offload scattered blocks, load them into other blocks, compare every byte on the GPU."""
+    engine.wait([engine.submit(TransferJob(store_ids, store_slots, True))])
+    engine.poll()
+    for tensor in tensors:
+        tensor[:, load_ids] = 0
+    engine.wait([engine.submit(TransferJob(load_ids, store_slots, False))])
+    engine.poll()
+    torch.cuda.synchronize()
+    return all(torch.equal(t[:, load_ids].view(torch.int16), t[:, store_ids].view(torch.int16)) for t in tensors)
+
+
+def _step_cost(engine, tensors, num_blocks: int, step_blocks: int = 32, steps: int = 100) -> dict:
+    """What submitting a store costs the model: host time, and time on the compute stream."""
+    rng = np.random.default_rng(2)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # about 1.4 ms a product on an H100
+    # Each step's store into slots of its own: jobs in flight never share a slot.
+    jobs = [TransferJob(rng.choice(num_blocks, step_blocks, replace=False),
+                        np.arange(step_blocks) + (i % 8) * step_blocks, True) for i in range(steps)]
+    engine.wait([engine.submit(jobs[0])])  # warm: pools, pinned ids, allocator
+    engine.poll()
+
+    def compute_chain(with_stores: bool) -> tuple[float, list[float]]:
+        submit_times, job_ids = [], []
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        began.record()
+        for job in jobs:
+            a.matmul(a)  # one step of the model, on the compute stream
+            if with_stores:
+                submitted = time.perf_counter()
+                job_ids.append(engine.submit(TransferJob(job.block_ids, job.slot_ids, True)))
+                submit_times.append(time.perf_counter() - submitted)
+        ended.record()
+        ended.synchronize()
+        assert engine.wait(job_ids, timeout=120)
+        assert all(r.success for r in engine.poll())
+        return began.elapsed_time(ended) / 1e3, submit_times
+
+    alone, with_stores = [], []
+    submit_times: list[float] = []
+    for _ in range(3):
+        alone.append(compute_chain(False)[0])
+        seconds, times = compute_chain(True)
+        with_stores.append(seconds)
+        submit_times += times
+    return {
+        "store_submit_us_median": statistics.median(submit_times) * 1e6,
+        "store_submit_us_p99": float(np.percentile(submit_times, 99)) * 1e6,
+        "store_step_bytes": step_blocks * sum(t[:, 0].nbytes for t in tensors),
+        "compute_seconds_alone": statistics.median(alone),
+        "compute_seconds_with_stores": statistics.median(with_stores),
+        "compute_slowdown": statistics.median(with_stores) / statistics.median(alone) - 1,
+    }
