@@ -152,6 +152,7 @@ def test_200_jobs_in_flight_are_each_reported_once_and_every_stream_returns():
     assert engine.num_in_flight == 0 and engine.poll() == []
     assert copier.num_idle_streams == copier.num_streams_made > 0
     assert copier.num_idle_events == copier.num_events_made > 0
+    assert copier.num_idle_buffers == copier.num_buffers_made > 0
     engine.close()
 
 
@@ -168,6 +169,7 @@ def test_a_failed_job_returns_its_stream_and_event_and_the_copier_goes_on():
     assert all("out of range" in r.error or "same length" in r.error for r in results)
     assert (copier.num_streams_made, copier.num_events_made) == made
     assert copier.num_idle_streams == copier.num_streams_made and copier.num_idle_events == copier.num_events_made
+    assert copier.num_idle_buffers == copier.num_buffers_made
     good = engine.submit(TransferJob(np.array([5, 6]), np.array([2, 3]), True))
     assert finish(engine, [good])[good].success
     torch.cuda.synchronize()  # the context is healthy: no device-side assert was raised
@@ -209,6 +211,7 @@ def test_a_job_that_fails_mid_launch_returns_its_stream_and_event():
     assert result.job_id == whole and not result.success and "cudaMemcpyAsync failed" in result.error
     assert (copier.num_streams_made, copier.num_events_made) == made  # the pooled stream and event served both
     assert copier.num_idle_streams == copier.num_streams_made and copier.num_idle_events == copier.num_events_made
+    assert copier.num_idle_buffers == copier.num_buffers_made
     runtime.failing = False
     job = engine.submit(TransferJob(np.arange(8), np.arange(8), True))
     assert finish(engine, [job])[job].success

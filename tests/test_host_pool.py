@@ -20,6 +20,15 @@ def test_a_store_then_a_load():
     assert pool.num_pins == 0
 
 
+def test_slots_evicted_together_come_back_as_one_ascending_run():
+    pool = HostPoolIndex(8)
+    first = pool.prepare_store([key(i) for i in range(8)])
+    assert first.slot_ids == list(range(8))
+    pool.complete_store(first.slot_ids, True)
+    again = pool.prepare_store([key(i) for i in range(100, 104)])  # evicts keys 0..3 (LRU), slots 0..3
+    assert again.slot_ids == [0, 1, 2, 3]  # one run: one copy, one DMA on CUDA
+
+
 def test_full_pool_refuses_a_store_and_changes_nothing():
     pool = HostPoolIndex(2)
     plan = pool.prepare_store([key(1), key(2)])  # both pinned by their writer

@@ -119,9 +119,11 @@ class HostPoolIndex:
             return None
         while len(self._free_slot_ids) < len(new_keys):
             self._evict_one()
+        # Ascending, so that slots freed together (pushed in order, popped reversed) form
+        # runs again: a run of consecutive slots moves in one copy (one DMA on CUDA).
+        taken = sorted(self._free_slot_ids.pop() for _ in new_keys)
         slot_ids = []
-        for key in new_keys:
-            slot = self._free_slot_ids.pop()
+        for key, slot in zip(new_keys, taken):
             self._slot_of[key] = slot
             self._key_of[slot] = key
             self._pin(slot)  # the writer's pin, until complete_store

@@ -105,11 +105,19 @@ def load_cuda_runtime() -> CudaRuntime | None:
 
 
 @dataclass
-class _InFlight:
-    job: TransferJob
+class _Lanes:
+    """What one job borrows from the pools: per lane a stream, an event and a staging buffer."""
+
     streams: list[torch.cuda.Stream]
     events: list[torch.cuda.Event]  # events[0] completes when the whole job has
-    keep_alive: tuple  # ids and staging buffers: alive until events[0] says no copy reads them
+    buffers: list[torch.Tensor]  # flat uint8, ``lane_bytes`` each
+
+
+@dataclass
+class _InFlight:
+    job: TransferJob
+    lanes: _Lanes  # back to the pools when events[0] says no copy uses them any more
+    keep_alive: tuple  # ids (and a layer job's own staging): alive until then too
     began: float
     num_bytes: int
 
@@ -133,9 +141,16 @@ class CudaCopier(DeviceCopier):
         # The stream the model computes on: the current stream of the thread that builds
         # the copier (vLLM's, in register_kv_caches). Jobs also wait for their caller's.
         self._compute_stream = torch.cuda.current_stream(self._device)
+        self._rows_per_chunk = max(1, staging_bytes // 2 // layout.slot_bytes)
+        self._lane_bytes = self._rows_per_chunk * layout.slot_bytes
         self._stream_pool: list[torch.cuda.Stream] = []
         self._event_pool: list[torch.cuda.Event] = []
+        # Staging buffers of a lane's size, reused once their job's event completed (on any
+        # stream: the host saw every copy that used one finish). No allocation in a step.
+        self._buffer_pool: list[torch.Tensor] = []
+        self._job_bytes: dict = {}
         self.num_streams_made = 0
+        self.num_buffers_made = 0
         self.num_events_made = 0
         self._in_flight: list[_InFlight] = []
         self._lock = threading.Lock()  # start() may run on I/O threads while poll_done() runs on the engine's
@@ -162,7 +177,11 @@ class CudaCopier(DeviceCopier):
                 self.poll_done()
 
     def job_bytes(self, job: TransferJob) -> int:
-        return len(job.block_ids) * sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices))
+        per_block = self._job_bytes.get(job.tensor_indices)
+        if per_block is None:
+            per_block = self._job_bytes.setdefault(
+                job.tensor_indices, sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices)))
+        return len(job.block_ids) * per_block
 
     @property
     def num_idle_streams(self) -> int:
@@ -171,6 +190,10 @@ class CudaCopier(DeviceCopier):
     @property
     def num_idle_events(self) -> int:
         return len(self._event_pool)
+
+    @property
+    def num_idle_buffers(self) -> int:
+        return len(self._buffer_pool)
 
     def _checked_ids(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
         # Checked on the host before anything is queued: an id out of range on the device
@@ -184,26 +207,32 @@ class CudaCopier(DeviceCopier):
             raise ValueError(f"slot id out of range [0, {self._num_slots})")
         return block_ids, slot_ids
 
-    def _take(self, num_lanes: int) -> tuple[list[torch.cuda.Stream], list[torch.cuda.Event]]:
-        streams, events = [], []
+    def _take(self, num_lanes: int) -> _Lanes:
+        lanes = _Lanes([], [], [])
         with self._lock:
             for _ in range(num_lanes):
                 if self._stream_pool:
-                    streams.append(self._stream_pool.pop())
+                    lanes.streams.append(self._stream_pool.pop())
                 else:
-                    streams.append(torch.cuda.Stream(self._device))
+                    lanes.streams.append(torch.cuda.Stream(self._device))
                     self.num_streams_made += 1
                 if self._event_pool:
-                    events.append(self._event_pool.pop())
+                    lanes.events.append(self._event_pool.pop())
                 else:
-                    events.append(torch.cuda.Event())
+                    lanes.events.append(torch.cuda.Event())
                     self.num_events_made += 1
-        return streams, events
+                lanes.buffers.append(self._buffer_pool.pop() if self._buffer_pool else None)
+        for lane, buffer in enumerate(lanes.buffers):
+            if buffer is None:
+                lanes.buffers[lane] = torch.empty(self._lane_bytes, dtype=torch.uint8, device=self._device)
+                self.num_buffers_made += 1
+        return lanes
 
-    def _give_back(self, streams, events) -> None:
+    def _give_back(self, lanes: _Lanes) -> None:
         with self._lock:
-            self._stream_pool.extend(streams)
-            self._event_pool.extend(events)
+            self._stream_pool.extend(lanes.streams)
+            self._event_pool.extend(lanes.events)
+            self._buffer_pool.extend(lanes.buffers)
 
     def _mover(self, tensor_indices: tuple[int, ...] | None) -> tuple[list[tuple[object, torch.Tensor, int]], object]:
         """(segment, view, staging column) of a job's segments, and their one-launch mover
@@ -239,9 +268,9 @@ class CudaCopier(DeviceCopier):
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         block_ids, slot_ids = self._checked_ids(job)
-        rows_per_chunk = max(1, self._staging_bytes // 2 // self._layout.slot_bytes)
-        num_lanes = 2 if job.tensor_indices is None and block_ids.size > rows_per_chunk else 1
-        streams, events = self._take(num_lanes)
+        num_lanes = 2 if job.tensor_indices is None and block_ids.size > self._rows_per_chunk else 1
+        lanes = self._take(num_lanes)
+        streams, events = lanes.streams, lanes.events
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(streams[0]):
                 # Uploaded before the wait below, while this pooled stream is idle: a pageable
@@ -256,9 +285,9 @@ class CudaCopier(DeviceCopier):
                 for other in streams[1:]:
                     other.wait_stream(streams[0])  # after the compute stream and the id upload
                 if job.tensor_indices is None:
-                    staging = self._copy_slots(streams, device_ids, slot_ids, job.to_host, rows_per_chunk)
+                    own_staging = self._copy_slots(lanes, device_ids, slot_ids, job.to_host)  # None: lanes' own
                 else:
-                    staging = self._copy_layer(device_ids, slot_ids, job.to_host, job.tensor_indices)
+                    own_staging = self._copy_layer(lanes, device_ids, slot_ids, job.to_host, job.tensor_indices)
                 for other, event in zip(streams[1:], events[1:]):
                     event.record(other)
                     streams[0].wait_event(event)  # the job's end waits for the second lane's copies
@@ -266,58 +295,59 @@ class CudaCopier(DeviceCopier):
         except BaseException:
             for stream in streams:
                 stream.synchronize()  # nothing of a failed job may still write a slot once it is reported
-            self._give_back(streams, events)
+            self._give_back(lanes)
             raise
         with self._lock:
-            self._in_flight.append(_InFlight(job, streams, events, (block_ids, device_ids, staging),
+            self._in_flight.append(_InFlight(job, lanes, (block_ids, device_ids, own_staging),
                                              time.perf_counter(), self.job_bytes(job)))
 
-    def _copy_slots(self, streams, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool,
-                    rows_per_chunk: int) -> list[torch.Tensor]:
+    def _copy_slots(self, lanes: _Lanes, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool) -> None:
         """Whole slots, chunk by chunk; chunk k on lane k % 2 with that lane's staging buffer,
-        so one lane's gather overlaps the other's DMA."""
-        num_rows = min(rows_per_chunk, slot_ids.size)
-        staging = []
-        for stream in streams:
-            with torch.cuda.stream(stream):  # allocated on the lane that uses it
-                staging.append(torch.empty((num_rows, self._layout.slot_bytes), dtype=torch.uint8,
-                                           device=self._device))
-        for chunk, first in enumerate(range(0, slot_ids.size, rows_per_chunk)):
-            lane = chunk % len(streams)
-            last = min(first + rows_per_chunk, slot_ids.size)
-            ids, part = device_ids[first:last], staging[lane][:last - first]
-            runs = consecutive_runs(slot_ids[first:last])
-            # One lane's chunks run in order on its stream, so reusing its buffer is safe.
-            with torch.cuda.stream(streams[lane]):
-                if to_host:
-                    self._gather(None, ids, part, to_staging=True)
-                    self._move_runs(part, runs, to_host)
-                else:
-                    self._move_runs(part, runs, to_host)
-                    self._gather(None, ids, part, to_staging=False)
-        return staging
+        so that one lane's gather overlaps the other's DMA."""
+        rows, num_lanes = self._rows_per_chunk, len(lanes.streams)
+        for lane, (stream, buffer) in enumerate(zip(lanes.streams, lanes.buffers)):
+            staging = buffer.view(rows, self._layout.slot_bytes)
+            # A lane's chunks run in order on its stream, so reusing its buffer is safe; the
+            # two lanes' streams run side by side.
+            with torch.cuda.stream(stream):
+                for first in range(lane * rows, slot_ids.size, num_lanes * rows):
+                    last = min(first + rows, slot_ids.size)
+                    ids, part = device_ids[first:last], staging[:last - first]
+                    runs = consecutive_runs(slot_ids[first:last])
+                    if to_host:
+                        self._gather(None, ids, part, to_staging=True)
+                        self._move_runs(part, runs, to_host, stream.cuda_stream)
+                    else:
+                        self._move_runs(part, runs, to_host, stream.cuda_stream)
+                        self._gather(None, ids, part, to_staging=False)
 
-    def _move_runs(self, part: torch.Tensor, runs: list[tuple[int, int, int]], to_host: bool) -> None:
-        """staging rows <-> host slots, one DMA per run of consecutive slots."""
+    def _move_runs(self, part: torch.Tensor, runs: list[tuple[int, int, int]], to_host: bool, stream: int) -> None:
+        """staging rows <-> host slots, one DMA per run of consecutive slots, on ``stream``
+        (the current stream too)."""
         if self._runtime is None:
             for position, first_slot, count in runs:
                 host, device = self._host_slots[first_slot: first_slot + count], part[position: position + count]
                 (host.copy_(device, non_blocking=True) if to_host else device.copy_(host, non_blocking=True))
             return
-        slot_bytes, stream = self._layout.slot_bytes, torch.cuda.current_stream(self._device).cuda_stream
+        slot_bytes = self._layout.slot_bytes
         host_base, device_base = self._host_buffer.data_ptr(), part.data_ptr()
         for position, first_slot, count in runs:
             host, device = host_base + first_slot * slot_bytes, device_base + position * slot_bytes
             self._runtime.memcpy(host, device, count * slot_bytes, stream) if to_host else \
                 self._runtime.memcpy(device, host, count * slot_bytes, stream)
 
-    def _copy_layer(self, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool,
-                    tensor_indices: tuple[int, ...]) -> torch.Tensor:
+    def _copy_layer(self, lanes: _Lanes, device_ids: torch.Tensor, slot_ids: np.ndarray, to_host: bool,
+                    tensor_indices: tuple[int, ...]) -> torch.Tensor | None:
         """Some tensors (one layer): each tensor's part of a slot is one contiguous range of
-        columns, so a run of consecutive slots is one strided (2-D) host region per tensor."""
+        columns, so a run of consecutive slots is one strided (2-D) host region per tensor.
+        Returns a staging buffer of its own where the lane's is too small (kept alive)."""
         members, _ = self._mover(tensor_indices)
         width = sum(seg.nbytes for seg, _, _ in members)
-        staging = torch.empty((slot_ids.size, width), dtype=torch.uint8, device=self._device)
+        own = None
+        if slot_ids.size * width <= self._lane_bytes:
+            staging = lanes.buffers[0][:slot_ids.size * width].view(slot_ids.size, width)
+        else:
+            staging = own = torch.empty((slot_ids.size, width), dtype=torch.uint8, device=self._device)
         runs = consecutive_runs(slot_ids)
         groups: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (staging column, slot offset, bytes)
         for seg, _, at in members:
@@ -328,7 +358,7 @@ class CudaCopier(DeviceCopier):
             self._move_columns(staging, parts[0][0], parts[0][1], sum(n for _, _, n in parts), runs, to_host)
         if not to_host:
             self._gather(tensor_indices, device_ids, staging, to_staging=False)
-        return staging
+        return own
 
     def _move_columns(self, staging: torch.Tensor, column: int, host_column: int, nbytes: int,
                       runs: list[tuple[int, int, int]], to_host: bool) -> None:
@@ -341,7 +371,7 @@ class CudaCopier(DeviceCopier):
                     (host.copy_(device, non_blocking=True) if to_host else device.copy_(host, non_blocking=True))
             return
         slot_bytes, row_bytes = self._layout.slot_bytes, staging.shape[1]
-        stream = torch.cuda.current_stream(self._device).cuda_stream
+        stream = torch.cuda.current_stream(self._device).cuda_stream  # the lane's: start made it current
         for position, first_slot, count in runs:
             host = self._host_buffer.data_ptr() + first_slot * slot_bytes + host_column
             device = staging.data_ptr() + position * row_bytes + column
@@ -357,19 +387,20 @@ class CudaCopier(DeviceCopier):
         with self._lock:  # a finished job's event may go back to the pool meanwhile: not under the lock
             for record in self._in_flight:
                 if record.job.job_id in wanted:
-                    compute.wait_event(record.events[0])
+                    compute.wait_event(record.lanes.events[0])
         return True
 
     def poll_done(self) -> list[TransferResult]:
         finished, still = [], []
         with self._lock:
             for record in self._in_flight:
-                if record.events[0].query():
+                if record.lanes.events[0].query():
                     finished.append(TransferResult(record.job.job_id, True, record.num_bytes,
                                                    time.perf_counter() - record.began))
                     # The event says every lane's work is done: streams, events and buffers are free.
-                    self._stream_pool.extend(record.streams)
-                    self._event_pool.extend(record.events)
+                    self._stream_pool.extend(record.lanes.streams)
+                    self._event_pool.extend(record.lanes.events)
+                    self._buffer_pool.extend(record.lanes.buffers)
                 else:
                     still.append(record)
             self._in_flight = still
@@ -379,5 +410,5 @@ class CudaCopier(DeviceCopier):
         with self._lock:
             pending = list(self._in_flight)
         for record in pending:
-            record.events[0].synchronize()
+            record.lanes.events[0].synchronize()
         self.poll_done()
