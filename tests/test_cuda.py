@@ -97,14 +97,27 @@ MOVERS = ["auto", None]  # Triton's one-launch mover; torch ops, one per segment
 MOVER_IDS = ["triton", "torch-ops"]
 
 
-@pytest.mark.parametrize("runtime", ["auto", None], ids=["cudart", "torch-copies"])
+def runtime_without_batches():
+    from kvtier.transfer.cuda import CudaRuntime, load_cuda_runtime
+    return CudaRuntime(load_cuda_runtime()._library, batch=False)
+
+
+RUNTIMES = ["auto", "no-batch", None]  # batched DMAs; one call per run; torch's copies
+RUNTIME_IDS = ["cudart-batch", "cudart-per-run", "torch-copies"]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES, ids=RUNTIME_IDS)
 @pytest.mark.parametrize("mover", MOVERS, ids=MOVER_IDS)
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "two-lanes"])
 def test_scattered_whole_slot_jobs_are_byte_exact(chunked, mover, runtime):
+    if runtime == "no-batch":
+        runtime = runtime_without_batches()
     tensors = flash_tensors()
     layout_bytes = sum(t[:, 0].nbytes for t in tensors)
     engine, copier, slots, _ = make_engine(tensors, staging_bytes=(6 * layout_bytes) if chunked else 128 << 20,
                                            block_mover=mover, runtime=runtime)
+    if runtime == "auto":
+        assert copier._runtime is not None and copier._runtime.can_batch, "the driver's batched copy was not found"
     rng = np.random.default_rng(0)
     block_ids, slot_ids = rng.choice(NB // 2, 40, replace=False), rng.permutation(NB)[:40]
     expected = [block_bytes(tensors, b) for b in block_ids]
@@ -195,6 +208,8 @@ class FailingRuntime:
         if self.failing:
             raise RuntimeError("cudaMemcpyAsync failed with CUDA error 1")
         self.real.memcpy(*args)
+
+    can_batch = False  # whole-slot runs go through memcpy
 
 
 def test_a_job_that_fails_mid_launch_returns_its_stream_and_event():

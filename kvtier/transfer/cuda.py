@@ -12,9 +12,10 @@ stream reads the blocks only once the load's event says so
 A whole-slot job gathers its blocks on the device into a staging buffer laid out
 like host slots (one launch for every segment, ``cuda_kernels``), in chunks of at
 most ``staging_bytes / 2`` that alternate between two streams, so that one
-chunk's gather overlaps the other's DMA; each run of consecutive slot ids of a
-chunk moves in one DMA. A layer-wise job moves its layer's part of each run of
-slots in one 2-D DMA (``cudaMemcpy2DAsync``).
+chunk's gather overlaps the other's DMA. Each run of consecutive slot ids of a
+chunk moves in one DMA, and a chunk's runs go to the driver in one batch. A
+layer-wise job moves its layer's part of each run of slots in one 2-D DMA
+(``cudaMemcpy2DAsync``).
 Streams, events and staging buffers go back to their pools on every path,
 failures included.
 """
@@ -58,17 +59,46 @@ def segment_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[tor
     return views
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_location_hint", _MemLocation),
+                ("dst_location_hint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+_SOURCE_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; location hints left empty
+
+
 class CudaRuntime:
-    """The two copies torch does not offer cheaply, from the CUDA runtime torch loaded.
+    """The copies torch does not offer cheaply, from the CUDA libraries torch loaded.
 
     ``memcpy_2d``: torch has no strided copy into pinned host memory (it stages through
     pageable memory and waits), and a layer's part of consecutive slots is strided.
-    ``memcpy``: one DMA for a run of slots, without a torch op's bookkeeping (a scattered
-    job issues one per slot). The library is found among those already mapped, so it is
-    torch's own; ctypes releases the GIL around each call.
+    ``memcpy``: one DMA for a run of slots, without a torch op's bookkeeping.
+    ``memcpy_batch``: many runs in one call (the driver's ``cuMemcpyBatchAsync``, CUDA
+    13 drivers), for scattered slots: one call per slot costs about 3 us of copy-engine
+    time each (measured 0.93x a plain copy of 2 MiB slots, against 0.99x batched).
+    The libraries are found among those already mapped or loaded, so they are torch's
+    own; ctypes releases the GIL around each call.
     """
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, batch: bool = True):
+        self._library = library
+        self._batch = None
+        if batch:
+            try:
+                self._batch = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2  # 8 arguments, no failIdx
+            except (OSError, AttributeError):
+                self._batch = None
+            else:
+                self._batch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                self._batch.restype = ctypes.c_int
+                self._attributes = _MemcpyAttributes(_SOURCE_IN_STREAM_ORDER, _MemLocation(0, 0),
+                                                     _MemLocation(0, 0), 0)
+                self._first_copy = (ctypes.c_size_t * 1)(0)  # the one attribute applies from copy 0 on
         self._memcpy_2d = library.cudaMemcpy2DAsync
         self._memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -87,6 +117,18 @@ class CudaRuntime:
         status = self._memcpy(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
         if status != 0:
             raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {status}")
+
+    @property
+    def can_batch(self) -> bool:
+        return self._batch is not None
+
+    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """One call for every (dst, src, size); the arrays are read during the call."""
+        dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
+        status = self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size,
+                             ctypes.byref(self._attributes), self._first_copy, 1, stream)
+        if status != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status}")
 
 
 def load_cuda_runtime() -> CudaRuntime | None:
@@ -111,6 +153,8 @@ class _Lanes:
     streams: list[torch.cuda.Stream]
     events: list[torch.cuda.Event]  # events[0] completes when the whole job has
     buffers: list[torch.Tensor]  # flat uint8, ``lane_bytes`` each
+    host_ids: torch.Tensor | None = None  # pinned int64: the job's block ids, uploaded asynchronously
+    device_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -148,6 +192,7 @@ class CudaCopier(DeviceCopier):
         # Staging buffers of a lane's size, reused once their job's event completed (on any
         # stream: the host saw every copy that used one finish). No allocation in a step.
         self._buffer_pool: list[torch.Tensor] = []
+        self._ids_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned, device) id buffers
         self._job_bytes: dict = {}
         self.num_streams_made = 0
         self.num_buffers_made = 0
@@ -222,6 +267,8 @@ class CudaCopier(DeviceCopier):
                     lanes.events.append(torch.cuda.Event())
                     self.num_events_made += 1
                 lanes.buffers.append(self._buffer_pool.pop() if self._buffer_pool else None)
+            if self._ids_pool:  # one pair a job: only lane 0 uploads
+                lanes.host_ids, lanes.device_ids = self._ids_pool.pop()
         for lane, buffer in enumerate(lanes.buffers):
             if buffer is None:
                 lanes.buffers[lane] = torch.empty(self._lane_bytes, dtype=torch.uint8, device=self._device)
@@ -233,6 +280,21 @@ class CudaCopier(DeviceCopier):
             self._stream_pool.extend(lanes.streams)
             self._event_pool.extend(lanes.events)
             self._buffer_pool.extend(lanes.buffers)
+            if lanes.host_ids is not None:
+                self._ids_pool.append((lanes.host_ids, lanes.device_ids))
+
+    def _upload_ids(self, lanes: _Lanes, block_ids: np.ndarray) -> torch.Tensor:
+        """The block ids on the device, from the lanes' pinned buffer: an asynchronous copy
+        (a pageable one may hold the host), on the current stream (lane 0's)."""
+        if lanes.host_ids is None or lanes.host_ids.numel() < block_ids.size:
+            capacity = max(block_ids.size, 1024)
+            lanes.host_ids = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            lanes.device_ids = torch.empty(capacity, dtype=torch.int64, device=self._device)
+        host_ids = lanes.host_ids[:block_ids.size]
+        host_ids.numpy()[:] = block_ids  # the pinned buffer is the job's alone until its event completes
+        device_ids = lanes.device_ids[:block_ids.size]
+        device_ids.copy_(host_ids, non_blocking=True)
+        return device_ids
 
     def _mover(self, tensor_indices: tuple[int, ...] | None) -> tuple[list[tuple[object, torch.Tensor, int]], object]:
         """(segment, view, staging column) of a job's segments, and their one-launch mover
@@ -273,9 +335,8 @@ class CudaCopier(DeviceCopier):
         streams, events = lanes.streams, lanes.events
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(streams[0]):
-                # Uploaded before the wait below, while this pooled stream is idle: a pageable
-                # upload waits for its own stream only, so the host never waits for compute.
-                device_ids = torch.from_numpy(block_ids).to(self._device, non_blocking=True)
+                # From pinned memory, before the wait below: the host never waits for compute.
+                device_ids = self._upload_ids(lanes, block_ids)
                 # The KV cache is written and read on the compute stream: copy only after the
                 # work queued there so far (the store's KV written; the load's targets read).
                 streams[0].wait_stream(self._compute_stream)
@@ -331,6 +392,12 @@ class CudaCopier(DeviceCopier):
             return
         slot_bytes = self._layout.slot_bytes
         host_base, device_base = self._host_buffer.data_ptr(), part.data_ptr()
+        if len(runs) > 1 and self._runtime.can_batch:  # scattered slots: one call for all runs
+            positions, first_slots, counts = (np.array(column, np.int64) for column in zip(*runs))
+            hosts, devices = host_base + first_slots * slot_bytes, device_base + positions * slot_bytes
+            dsts, srcs = (hosts, devices) if to_host else (devices, hosts)
+            self._runtime.memcpy_batch(dsts, srcs, counts * slot_bytes, stream)
+            return
         for position, first_slot, count in runs:
             host, device = host_base + first_slot * slot_bytes, device_base + position * slot_bytes
             self._runtime.memcpy(host, device, count * slot_bytes, stream) if to_host else \
@@ -401,6 +468,8 @@ class CudaCopier(DeviceCopier):
                     self._stream_pool.extend(record.lanes.streams)
                     self._event_pool.extend(record.lanes.events)
                     self._buffer_pool.extend(record.lanes.buffers)
+                    if record.lanes.host_ids is not None:
+                        self._ids_pool.append((record.lanes.host_ids, record.lanes.device_ids))
                 else:
                     still.append(record)
             self._in_flight = still
