@@ -98,7 +98,7 @@ MOVER_IDS = ["triton", "torch-ops"]
 
 
 def runtime_without_batches():
-    from kvtier.transfer.cuda import CudaRuntime, load_cuda_runtime
+    from kvtier.transfer.cuda_runtime import CudaRuntime, load_cuda_runtime
     return CudaRuntime(load_cuda_runtime()._library, batch=False)
 
 
@@ -163,9 +163,7 @@ def test_200_jobs_in_flight_are_each_reported_once_and_every_stream_returns():
     results = finish(engine, ids)
     assert sorted(results) == sorted(ids) and all(r.success for r in results.values())
     assert engine.num_in_flight == 0 and engine.poll() == []
-    assert copier.num_idle_streams == copier.num_streams_made > 0
-    assert copier.num_idle_events == copier.num_events_made > 0
-    assert copier.num_idle_buffers == copier.num_buffers_made > 0
+    assert copier.lane_pool.idle() == copier.lane_pool.made() and min(copier.lane_pool.made()) > 0
     engine.close()
 
 
@@ -173,16 +171,14 @@ def test_a_failed_job_returns_its_stream_and_event_and_the_copier_goes_on():
     tensors = flash_tensors(num_layers=2)
     engine, copier, slots, _ = make_engine(tensors)
     finish(engine, [engine.submit(TransferJob(np.array([1]), np.array([0]), True))])  # one stream made
-    made = (copier.num_streams_made, copier.num_events_made)
+    made = copier.lane_pool.made()
     bad = [engine.submit(TransferJob(np.array([1, NB]), np.array([0, 1]), True)),  # block id out of range
            engine.submit(TransferJob(np.array([1, 2]), np.array([0, NB]), False)),  # slot id out of range
            engine.submit(TransferJob(np.array([1, 2]), np.array([0]), True))]  # lengths differ
     results = engine.poll()
     assert {r.job_id for r in results} == set(bad) and not any(r.success for r in results)
     assert all("out of range" in r.error or "same length" in r.error for r in results)
-    assert (copier.num_streams_made, copier.num_events_made) == made
-    assert copier.num_idle_streams == copier.num_streams_made and copier.num_idle_events == copier.num_events_made
-    assert copier.num_idle_buffers == copier.num_buffers_made
+    assert copier.lane_pool.made() == made and copier.lane_pool.idle() == made
     good = engine.submit(TransferJob(np.array([5, 6]), np.array([2, 3]), True))
     assert finish(engine, [good])[good].success
     torch.cuda.synchronize()  # the context is healthy: no device-side assert was raised
@@ -195,7 +191,7 @@ class FailingRuntime:
     fails, after the job's gather is already queued."""
 
     def __init__(self):
-        from kvtier.transfer.cuda import load_cuda_runtime
+        from kvtier.transfer.cuda_runtime import load_cuda_runtime
         self.real = load_cuda_runtime()
         self.failing = False
 
@@ -216,7 +212,7 @@ def test_a_job_that_fails_mid_launch_returns_its_stream_and_event():
     tensors = flash_tensors(num_layers=2)
     runtime = FailingRuntime()
     engine, copier, _, _ = make_engine(tensors, runtime=runtime)
-    made = (copier.num_streams_made, copier.num_events_made)
+    made = copier.lane_pool.made()
     runtime.failing = True
     job = engine.submit(TransferJob(np.arange(8), np.arange(8), True, tensor_indices=(0,)))
     (result,) = engine.poll()
@@ -224,9 +220,8 @@ def test_a_job_that_fails_mid_launch_returns_its_stream_and_event():
     whole = engine.submit(TransferJob(np.arange(8), np.arange(8), True))  # whole slots: plain DMAs fail too
     (result,) = engine.poll()
     assert result.job_id == whole and not result.success and "cudaMemcpyAsync failed" in result.error
-    assert (copier.num_streams_made, copier.num_events_made) == made  # the pooled stream and event served both
-    assert copier.num_idle_streams == copier.num_streams_made and copier.num_idle_events == copier.num_events_made
-    assert copier.num_idle_buffers == copier.num_buffers_made
+    assert copier.lane_pool.made() == made  # the pooled stream, event and buffer served both
+    assert copier.lane_pool.idle() == made
     runtime.failing = False
     job = engine.submit(TransferJob(np.arange(8), np.arange(8), True))
     assert finish(engine, [job])[job].success

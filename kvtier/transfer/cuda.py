@@ -15,14 +15,12 @@ most ``staging_bytes / 2`` that alternate between two streams, so that one
 chunk's gather overlaps the other's DMA. Each run of consecutive slot ids of a
 chunk moves in one DMA, and a chunk's runs go to the driver in one batch. A
 layer-wise job moves its layer's part of each run of slots in one 2-D DMA
-(``cudaMemcpy2DAsync``).
-Streams, events and staging buffers go back to their pools on every path,
-failures included.
+(``cudaMemcpy2DAsync``). Streams, events and buffers go back to their pool
+(``LanePool``) on every path, failures included.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass
@@ -33,10 +31,10 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.transfer.cuda_kernels import load_block_mover
+from kvtier.transfer.cuda_runtime import load_cuda_runtime
 from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult
 
 STAGING_BYTES = 64 << 20  # per job, both lanes' buffers: bounds the device memory a copy borrows
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 
 
 def consecutive_runs(slot_ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -59,93 +57,6 @@ def segment_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[tor
     return views
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_location_hint", _MemLocation),
-                ("dst_location_hint", _MemLocation), ("flags", ctypes.c_uint)]
-
-
-_SOURCE_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; location hints left empty
-
-
-class CudaRuntime:
-    """The copies torch does not offer cheaply, from the CUDA libraries torch loaded.
-
-    ``memcpy_2d``: torch has no strided copy into pinned host memory (it stages through
-    pageable memory and waits), and a layer's part of consecutive slots is strided.
-    ``memcpy``: one DMA for a run of slots, without a torch op's bookkeeping.
-    ``memcpy_batch``: many runs in one call (the driver's ``cuMemcpyBatchAsync``, CUDA
-    13 drivers), for scattered slots: one call per slot costs about 3 us of copy-engine
-    time each (measured 0.93x a plain copy of 2 MiB slots, against 0.99x batched).
-    The libraries are found among those already mapped or loaded, so they are torch's
-    own; ctypes releases the GIL around each call.
-    """
-
-    def __init__(self, library: ctypes.CDLL, batch: bool = True):
-        self._library = library
-        self._batch = None
-        if batch:
-            try:
-                self._batch = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2  # 8 arguments, no failIdx
-            except (OSError, AttributeError):
-                self._batch = None
-            else:
-                self._batch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-                self._batch.restype = ctypes.c_int
-                self._attributes = _MemcpyAttributes(_SOURCE_IN_STREAM_ORDER, _MemLocation(0, 0),
-                                                     _MemLocation(0, 0), 0)
-                self._first_copy = (ctypes.c_size_t * 1)(0)  # the one attribute applies from copy 0 on
-        self._memcpy_2d = library.cudaMemcpy2DAsync
-        self._memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._memcpy_2d.restype = ctypes.c_int
-        self._memcpy = library.cudaMemcpyAsync
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._memcpy.restype = ctypes.c_int
-
-    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                  stream: int) -> None:
-        status = self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
-        if status != 0:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
-
-    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        status = self._memcpy(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
-        if status != 0:
-            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {status}")
-
-    @property
-    def can_batch(self) -> bool:
-        return self._batch is not None
-
-    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """One call for every (dst, src, size); the arrays are read during the call."""
-        dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
-        status = self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size,
-                             ctypes.byref(self._attributes), self._first_copy, 1, stream)
-        if status != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status}")
-
-
-def load_cuda_runtime() -> CudaRuntime | None:
-    """torch's CUDA runtime, or None where it cannot be found (the copier then uses torch ops)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            return CudaRuntime(ctypes.CDLL(path))
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
 @dataclass
 class _Lanes:
     """What one job borrows from the pools: per lane a stream, an event and a staging buffer."""
@@ -155,6 +66,66 @@ class _Lanes:
     buffers: list[torch.Tensor]  # flat uint8, ``lane_bytes`` each
     host_ids: torch.Tensor | None = None  # pinned int64: the job's block ids, uploaded asynchronously
     device_ids: torch.Tensor | None = None
+
+
+class LanePool:
+    """Streams, events, staging buffers and id buffers, lent to one job at a time.
+
+    A job's lanes come back only when its completion event has been seen on the host
+    (or, for a job that failed to launch, after its streams were synchronised), so
+    whatever a later job does with them, on any stream, comes after every copy of
+    the earlier one. Thread-safe: jobs start on I/O threads too.
+    """
+
+    def __init__(self, device: torch.device, lane_bytes: int):
+        self._device, self._lane_bytes = device, lane_bytes
+        self._streams: list[torch.cuda.Stream] = []
+        self._events: list[torch.cuda.Event] = []
+        self._buffers: list[torch.Tensor] = []
+        self._ids: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned, device) id buffers
+        self.num_streams_made = self.num_events_made = self.num_buffers_made = 0
+        self._lock = threading.Lock()
+
+    def take(self, num_lanes: int) -> _Lanes:
+        lanes = _Lanes([], [], [])
+        with self._lock:
+            for _ in range(num_lanes):
+                lanes.streams.append(self._streams.pop() if self._streams else None)
+                lanes.events.append(self._events.pop() if self._events else None)
+                lanes.buffers.append(self._buffers.pop() if self._buffers else None)
+            if self._ids:  # one pair a job: only lane 0 uploads
+                lanes.host_ids, lanes.device_ids = self._ids.pop()
+        made = [0, 0, 0]
+        for lane in range(num_lanes):  # made outside the lock
+            if lanes.streams[lane] is None:
+                lanes.streams[lane], made[0] = torch.cuda.Stream(self._device), made[0] + 1
+            if lanes.events[lane] is None:
+                lanes.events[lane], made[1] = torch.cuda.Event(), made[1] + 1
+            if lanes.buffers[lane] is None:
+                lanes.buffers[lane] = torch.empty(self._lane_bytes, dtype=torch.uint8, device=self._device)
+                made[2] += 1
+        if any(made):
+            with self._lock:
+                self.num_streams_made += made[0]
+                self.num_events_made += made[1]
+                self.num_buffers_made += made[2]
+        return lanes
+
+    def give_back(self, lanes: _Lanes) -> None:
+        with self._lock:
+            self._streams.extend(lanes.streams)
+            self._events.extend(lanes.events)
+            self._buffers.extend(lanes.buffers)
+            if lanes.host_ids is not None:
+                self._ids.append((lanes.host_ids, lanes.device_ids))
+
+    def idle(self) -> tuple[int, int, int]:
+        """(streams, events, buffers) in the pool now."""
+        with self._lock:
+            return len(self._streams), len(self._events), len(self._buffers)
+
+    def made(self) -> tuple[int, int, int]:
+        return self.num_streams_made, self.num_events_made, self.num_buffers_made
 
 
 @dataclass
@@ -187,16 +158,8 @@ class CudaCopier(DeviceCopier):
         self._compute_stream = torch.cuda.current_stream(self._device)
         self._rows_per_chunk = max(1, staging_bytes // 2 // layout.slot_bytes)
         self._lane_bytes = self._rows_per_chunk * layout.slot_bytes
-        self._stream_pool: list[torch.cuda.Stream] = []
-        self._event_pool: list[torch.cuda.Event] = []
-        # Staging buffers of a lane's size, reused once their job's event completed (on any
-        # stream: the host saw every copy that used one finish). No allocation in a step.
-        self._buffer_pool: list[torch.Tensor] = []
-        self._ids_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned, device) id buffers
+        self.lane_pool = LanePool(self._device, self._lane_bytes)  # no allocation in a step
         self._job_bytes: dict = {}
-        self.num_streams_made = 0
-        self.num_buffers_made = 0
-        self.num_events_made = 0
         self._in_flight: list[_InFlight] = []
         self._lock = threading.Lock()  # start() may run on I/O threads while poll_done() runs on the engine's
         self._warm_up()
@@ -205,7 +168,7 @@ class CudaCopier(DeviceCopier):
         """Pay every first-use cost now, at start-up, not in a step: the movers' compilation
         (block 0 gathered and written back unchanged, whole and per layer), and one store
         and one load of block 0 through slot 0 on each path (the host pool is still empty),
-        which sets up the pooled stream, the allocator's blocks for it and the runtime."""
+        which sets up the pooled lanes and the runtime."""
         if self._block_mover is not None:
             ids = torch.zeros(1, dtype=torch.int64, device=self._device)
             for tensor_indices in (None, *((i,) for i in range(len(self._tensors)))):
@@ -228,18 +191,6 @@ class CudaCopier(DeviceCopier):
                 job.tensor_indices, sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices)))
         return len(job.block_ids) * per_block
 
-    @property
-    def num_idle_streams(self) -> int:
-        return len(self._stream_pool)
-
-    @property
-    def num_idle_events(self) -> int:
-        return len(self._event_pool)
-
-    @property
-    def num_idle_buffers(self) -> int:
-        return len(self._buffer_pool)
-
     def _checked_ids(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
         # Checked on the host before anything is queued: an id out of range on the device
         # is a device-side assert, which poisons the whole CUDA context, the engine's too.
@@ -251,37 +202,6 @@ class CudaCopier(DeviceCopier):
         if slot_ids.size and (slot_ids.min() < 0 or slot_ids.max() >= self._num_slots):
             raise ValueError(f"slot id out of range [0, {self._num_slots})")
         return block_ids, slot_ids
-
-    def _take(self, num_lanes: int) -> _Lanes:
-        lanes = _Lanes([], [], [])
-        with self._lock:
-            for _ in range(num_lanes):
-                if self._stream_pool:
-                    lanes.streams.append(self._stream_pool.pop())
-                else:
-                    lanes.streams.append(torch.cuda.Stream(self._device))
-                    self.num_streams_made += 1
-                if self._event_pool:
-                    lanes.events.append(self._event_pool.pop())
-                else:
-                    lanes.events.append(torch.cuda.Event())
-                    self.num_events_made += 1
-                lanes.buffers.append(self._buffer_pool.pop() if self._buffer_pool else None)
-            if self._ids_pool:  # one pair a job: only lane 0 uploads
-                lanes.host_ids, lanes.device_ids = self._ids_pool.pop()
-        for lane, buffer in enumerate(lanes.buffers):
-            if buffer is None:
-                lanes.buffers[lane] = torch.empty(self._lane_bytes, dtype=torch.uint8, device=self._device)
-                self.num_buffers_made += 1
-        return lanes
-
-    def _give_back(self, lanes: _Lanes) -> None:
-        with self._lock:
-            self._stream_pool.extend(lanes.streams)
-            self._event_pool.extend(lanes.events)
-            self._buffer_pool.extend(lanes.buffers)
-            if lanes.host_ids is not None:
-                self._ids_pool.append((lanes.host_ids, lanes.device_ids))
 
     def _upload_ids(self, lanes: _Lanes, block_ids: np.ndarray) -> torch.Tensor:
         """The block ids on the device, from the lanes' pinned buffer: an asynchronous copy
@@ -331,7 +251,7 @@ class CudaCopier(DeviceCopier):
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
         block_ids, slot_ids = self._checked_ids(job)
         num_lanes = 2 if job.tensor_indices is None and block_ids.size > self._rows_per_chunk else 1
-        lanes = self._take(num_lanes)
+        lanes = self.lane_pool.take(num_lanes)
         streams, events = lanes.streams, lanes.events
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(streams[0]):
@@ -356,7 +276,7 @@ class CudaCopier(DeviceCopier):
         except BaseException:
             for stream in streams:
                 stream.synchronize()  # nothing of a failed job may still write a slot once it is reported
-            self._give_back(lanes)
+            self.lane_pool.give_back(lanes)
             raise
         with self._lock:
             self._in_flight.append(_InFlight(job, lanes, (block_ids, device_ids, own_staging),
@@ -464,12 +384,7 @@ class CudaCopier(DeviceCopier):
                 if record.lanes.events[0].query():
                     finished.append(TransferResult(record.job.job_id, True, record.num_bytes,
                                                    time.perf_counter() - record.began))
-                    # The event says every lane's work is done: streams, events and buffers are free.
-                    self._stream_pool.extend(record.lanes.streams)
-                    self._event_pool.extend(record.lanes.events)
-                    self._buffer_pool.extend(record.lanes.buffers)
-                    if record.lanes.host_ids is not None:
-                        self._ids_pool.append((record.lanes.host_ids, record.lanes.device_ids))
+                    self.lane_pool.give_back(record.lanes)  # the event says every lane's work is done
                 else:
                     still.append(record)
             self._in_flight = still
