@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -68,6 +69,19 @@ def _bench_transfer_cuda(args) -> dict:
         _print_table(f"kvtier bench transfer --device cuda ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} "
                      f"blocks of {result['slot_bytes'] >> 20} MiB, {result['device']}, {result['mover']})", rows)
     return result
+
+
+def _vllm_api(args) -> dict:
+    from kvtier.integrations.vllm import api_check
+
+    tested = api_check.VllmSource(args.tested) if args.tested or not args.json else None
+    reports = {}
+    for where in args.sources or [None]:
+        report = api_check.check(api_check.VllmSource(where), tested)
+        reports[report.version] = dataclasses.asdict(report)
+        if not args.json:
+            print(api_check.markdown(report, tested.version if tested else None))
+    return reports
 
 
 def _bench_ttft(args) -> dict:
@@ -142,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("--port", type=int, default=8000)
     proxy.set_defaults(run=lambda args: __import__("kvtier.proxy", fromlist=["x"]).serve(
         args.prefill, args.decode, args.host, args.port))
+
+    api = commands.add_parser("vllm-api", help="read a vLLM release (a wheel, or the installed one) and list what "
+                                               "would break kvtier's connector; nothing is imported or run")
+    api.add_argument("sources", nargs="*", help="vLLM wheels (pip download --no-deps vllm==X) or source folders; "
+                                                "default: the installed vLLM")
+    api.add_argument("--tested", default=None, help="the release to compare hooks with (default: the installed one)")
+    api.add_argument("--json", action="store_true")
+    api.set_defaults(run=_vllm_api)
 
     config = commands.add_parser("config", help="print the configuration keys")
     config.add_argument("--markdown", action="store_true")

@@ -110,13 +110,7 @@ class TierWorker:
         self.host_buffer = allocate_host_buffer(self.num_slots, self.layout.slot_bytes, pin=self.device_is_cuda)
         self._host_slots = self.host_buffer.numpy().reshape(self.num_slots, self.layout.slot_bytes)
         self._headers = np.zeros((self.num_slots, HEADER_BYTES), np.uint8)  # a pool entry's header, per slot
-        if self.device_is_cuda:
-            from kvtier.transfer.cuda import CudaCopier
-            copier = CudaCopier(self.layout, self.tensors, self.host_buffer)
-        else:
-            from kvtier.transfer.cpu import CpuCopier
-            copier = CpuCopier(self.layout, self.tensors, self.host_buffer, config.copy_threads)
-        self.transfers = TransferEngine(copier)
+        self.transfers = TransferEngine(self._make_copier())
         self.disk = DiskStore(config.disk_dir, self.rank_fingerprint, self.layout.slot_bytes) if config.disk_dir else None
         self.remote = None
         if config.remote_url:
@@ -136,6 +130,36 @@ class TierWorker:
         self._slot_checksums: dict[int, int] = {}  # verify_loads: checksum of the bytes each slot received
         self._finished_early: list[JobReport] = []  # loads finished during wait_for_stores, for the next poll
         self.num_verify_failures = 0
+
+    def _make_copier(self):
+        """The device half, bound to the KV cache's addresses as they are now."""
+        if self.device_is_cuda:
+            from kvtier.transfer.cuda import CudaCopier
+            return CudaCopier(self.layout, self.tensors, self.host_buffer)
+        from kvtier.transfer.cpu import CpuCopier
+        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads)
+
+    # --- sleep mode: the engine releases the KV cache and maps it again --------
+    def suspend_device(self, timeout: float) -> None:
+        """Before the KV cache is released: no copy runs or starts until ``resume_device``.
+        The tiers keep every block (host slots, disk, pool); jobs submitted meanwhile fail
+        and their blocks are recomputed. Idempotent."""
+        self.transfers.suspend(timeout)
+
+    def resume_device(self) -> None:
+        """After the KV cache is mapped again, perhaps elsewhere: every address-bound part
+        (the copier's tables, the broadcaster's addresses) is rebuilt from the tensors."""
+        if not self.transfers.suspended:
+            return
+        layout = detect_layout([tensor_info(t) for t in self.tensors], self.layout.num_blocks,
+                               self.layout.block_size, self.layout.kind)
+        if (layout.slot_bytes, layout.block_shape) != (self.layout.slot_bytes, self.layout.block_shape):
+            raise RuntimeError(f"kvtier: the KV cache came back as {layout.kind} {list(layout.block_shape)}, "
+                               f"not {self.layout.kind} {list(self.layout.block_shape)}")
+        self.layout = layout
+        if self._broadcaster is not None:
+            self._broadcaster.addresses = [t.data_ptr() for t in self.tensors]
+        self.transfers.resume(self._make_copier())
 
     @property
     def num_layers(self) -> int:

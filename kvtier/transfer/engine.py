@@ -75,14 +75,18 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._done = threading.Condition(self._lock)
+        self._suspended = False  # sleep mode: the device memory is released
 
     def submit(self, job: TransferJob) -> int:
         if job.job_id < 0:
             job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices)
         with self._lock:
             self._in_flight.add(job.job_id)
+            copier = None if self._suspended else self._copier
         try:
-            self._copier.start(job, self._complete)
+            if copier is None:
+                raise RuntimeError("the KV cache is released (sleep mode): no device copy until it is restored")
+            copier.start(job, self._complete)
         except Exception as error:  # a failed submission is a failed job, reported once
             self._complete(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
         return job.job_id
@@ -126,6 +130,32 @@ class TransferEngine:
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
+
+    def suspend(self, timeout: float) -> None:
+        """Stop touching the device's memory (the engine is about to release it: sleep mode).
+
+        From now on every submitted job fails at once (a result, never a copy); the copies
+        in flight get up to ``timeout`` to finish, then the copier and everything it bound
+        to device addresses are dropped. Raises if copies are still running at the
+        deadline: the memory must not be released under them. Idempotent."""
+        with self._lock:
+            if self._suspended:
+                return
+            self._suspended = True  # under the lock: a submit either is in _in_flight below or fails
+            pending = set(self._in_flight)
+        if not self.wait(pending, timeout):  # the copier still polls its own completions
+            raise RuntimeError(f"kvtier: device copies still running after {timeout} s; "
+                               f"the KV cache cannot be released under them")
+        self._copier.close()
+
+    def resume(self, copier: DeviceCopier) -> None:
+        """Copy again, with a copier bound to the device memory as it is now."""
+        with self._lock:
+            self._copier, self._suspended = copier, False
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
 
     def close(self) -> None:
         with self._lock:

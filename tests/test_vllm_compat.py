@@ -1,0 +1,136 @@
+"""vLLM release differences: the static API check, the start-up checks, and sleep mode."""
+
+import logging
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.integrations.vllm import api_check, compat
+
+BASE = api_check.BASE
+
+
+def test_the_installed_vllm_fits_kvtiers_connector():
+    report = api_check.check(api_check.VllmSource(), api_check.VllmSource())
+    assert report.breaks == [] and report.new_in_base == []
+    assert {"build_connector_worker_meta", "update_connector_output", "start_load_kv"} <= set(report.called)
+
+
+def test_a_release_that_would_break_the_connector_is_reported(tmp_path):
+    installed = api_check.VllmSource()
+    base = installed.read(BASE)
+    base = base.replace("def build_connector_worker_meta(", "def build_connector_worker_metadata(")
+    base = base.replace("def start_load_kv(self, forward_context", "def start_load_kv(self, context")
+    base = base.replace("    def shutdown(self):", "    @abstractmethod\n    def prepare_sleep(self) -> None:\n"
+                                               "        return None\n\n    def shutdown(self):")
+    target = tmp_path / "vllm" / BASE.removeprefix("vllm/")
+    target.parent.mkdir(parents=True)
+    target.write_text(base)
+    shutil.copy(installed._root / "vllm" / "_version.py", tmp_path / "vllm" / "_version.py")
+    report = api_check.check(api_check.VllmSource(str(tmp_path)), installed)
+    breaks = "\n".join(report.breaks)
+    assert "`build_connector_worker_meta` is not a connector hook any more" in breaks
+    assert "`start_load_kv`: vLLM's takes (self, context, **kwargs)" in breaks
+    assert "`prepare_sleep` is abstract and kvtier does not implement it" in breaks
+    assert "`vllm.v1.request` is gone" in breaks  # only base.py was kept
+    assert any("prepare_sleep" in line for line in report.new_in_base)
+
+
+def test_a_vllm_without_a_hook_kvtier_needs_stops_start_up_naming_it():
+    hooks = {name: (lambda self: None) for name in api_check.REQUIRED if name != "build_connector_worker_meta"}
+    base = type("OldBase", (), hooks)
+    with pytest.raises(RuntimeError, match="lacks the connector hooks build_connector_worker_meta"):
+        compat.check_vllm(base, release="0.20.0")
+
+
+def test_a_vllm_outside_the_tested_releases_gets_one_warning(caplog, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    monkeypatch.setattr(compat, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
+        compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
+    warnings = [r.getMessage() for r in caplog.records if "tested with" in r.getMessage()]
+    assert warnings == ["kvtier: running on vLLM 0.99.0; kvtier is tested with vLLM 0.32.0"]
+    caplog.clear()
+    monkeypatch.setattr(compat, "_warned", False)
+    compat.check_vllm(KVConnectorBase_V1, release=compat.TESTED_RELEASES[0])
+    assert not caplog.records
+
+
+# --- sleep mode (vLLM 0.33): the KV cache is released and mapped again ---------------------
+
+def test_sleep_mode_drains_refuses_copies_and_rebinds_to_the_remapped_cache(disk_dir):
+    from test_tiering import NAMESPACE, NB, BS, Engine, keys_of, randomize
+
+    from kvtier.integrations.vllm.namespace import EngineGeometry
+    from kvtier.integrations.vllm.worker_side import WorkerSide
+
+    tensors = [torch.zeros(NB, 4, BS, 2 * 24, dtype=torch.bfloat16) for _ in range(3)]
+    engine = Engine(tensors, disk_dir, host_blocks=16)
+    randomize(tensors)
+    original = [t[1:5].clone() for t in tensors]
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+
+    # The connector's hooks, as vLLM 0.33's worker calls them around sleep and wake-up.
+    geometry = EngineGeometry(NAMESPACE, engine.worker.layout.slot_bytes, ["a", "b", "c"], NB, BS, 1, 1)
+    side = WorkerSide(engine.config, geometry, 0)
+    side.tier_worker = engine.worker
+    hooks = type("Hooks", (compat.VllmCompat,), {})()
+    hooks._worker_side = side
+    assert compat.VllmCompat.supports_sleep_mode(None)
+
+    hooks.unregister_kv_caches()
+    hooks.unregister_kv_caches()  # idempotent
+    assert engine.worker.transfers.suspended
+    stale = [t.detach() for t in tensors]  # the old mapping
+    for t in tensors:
+        t.set_(torch.zeros_like(t))  # the cache comes back at another address
+    for s in stale:
+        s.zero_()
+    job, report = engine.load(keys_of(range(4)), [10, 11, 12, 13])  # while asleep: no copy, recompute
+    assert not report.success and sorted(report.failed_block_ids) == [10, 11, 12, 13]
+    assert all(int(t.count_nonzero()) == 0 for t in tensors + stale)
+
+    hooks.restore_kv_caches()
+    hooks.restore_kv_caches()  # idempotent
+    assert not engine.worker.transfers.suspended
+    job, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])  # the blocks were kept in host slots
+    assert report.success
+    for t, o in zip(tensors, original):
+        assert torch.equal(t[20:24].view(torch.int16), o.view(torch.int16))  # the new mapping got them
+    assert all(int(s.count_nonzero()) == 0 for s in stale)  # and nothing went to the old one
+    engine.store(keys_of(range(50, 52)), [20, 21])  # stores read the new mapping
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_suspending_waits_for_copies_in_flight_and_refuses_new_ones():
+    from kvtier.layout import detect_layout
+    from kvtier.transfer.cpu import CpuCopier
+    from kvtier.transfer.engine import TransferEngine, TransferJob
+    from kvtier.transfer.host_buffer import allocate_host_buffer
+    from kvtier.worker import tensor_info
+
+    tensors = [torch.ones(256, 4096, dtype=torch.uint8) for _ in range(8)]  # 8 MiB: copies take a moment
+    layout = detect_layout([tensor_info(t) for t in tensors], 256, 16)
+    host = allocate_host_buffer(256, layout.slot_bytes, pin=False)
+    engine = TransferEngine(CpuCopier(layout, tensors, host, 1))
+    running = [engine.submit(TransferJob(np.arange(256), np.arange(256), True)) for _ in range(4)]
+    engine.suspend(timeout=30)
+    assert engine.num_in_flight == 0  # every copy submitted before finished first
+    results = {r.job_id: r for r in engine.poll()}
+    assert all(results[j].success for j in running)
+    refused = engine.submit(TransferJob(np.arange(4), np.arange(4), False))
+    (result,) = engine.poll()
+    assert result.job_id == refused and not result.success and "sleep mode" in result.error
+    engine.resume(CpuCopier(layout, tensors, host, 1))
+    again = engine.submit(TransferJob(np.arange(4), np.arange(4), False))
+    deadline = time.monotonic() + 10
+    while engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (result,) = engine.poll()
+    assert result.job_id == again and result.success
+    engine.close()
