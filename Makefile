@@ -2,6 +2,8 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvtier-ready
+# Other vLLM releases that CI runs an end-to-end smoke test on; the whole suite runs on .venv's.
+RELEASES := 0.30.0 0.31.0
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -16,6 +18,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+	bash scripts/setup_vllm_releases.sh $(RELEASES)
+	bash scripts/smoke_vllm_releases.sh $(RELEASES)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
@@ -25,4 +29,4 @@ bench: $(STAMP)
 	$(PY) -m kvtier.cli bench ttft
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvtier/_native/*.so
+	rm -rf $(VENV) $(VENV)-vllm-* build *.egg-info kvtier/_native/*.so

