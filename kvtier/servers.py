@@ -122,8 +122,16 @@ def local_redis(log_path: str | None = None, password: str | None = None):
         server.stop()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(kind: str) -> None:
-    """Run a local pool in the foreground until interrupted; prints its remote_url."""
+    """Run a local pool in the foreground until interrupted; prints its remote_url.
+
+    SIGTERM stops it like Ctrl-C: its servers run in sessions of their own, so only
+    this process can stop them, on the way out of ``with``."""
+    signal.signal(signal.SIGTERM, _interrupt)
     context = local_mooncake() if kind == "mooncake" else local_redis()
     with context as server:
         print(f"remote_url: {server.url}", flush=True)

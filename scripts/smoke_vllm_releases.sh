@@ -12,7 +12,8 @@ rows=()
 status=0
 for release in "$@"; do
   env=".venv-vllm-$release"
-  found=$("$env/bin/python" -c "from kvtier.integrations.vllm.compat import vllm_release; print(vllm_release())")
+  found=$("$env/bin/python" -c "from kvtier.integrations.vllm.compat import vllm_release; print(vllm_release())" \
+    2>/dev/null | tail -1)  # vLLM may print notices on import
   if [ "$found" != "$release" ]; then
     echo "smoke: $env runs vLLM $found, not $release"
     exit 1

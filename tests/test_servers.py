@@ -1,0 +1,38 @@
+"""``kvtier serve``: the local pool stops with its command, however it is stopped."""
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("pool", ["redis", "mooncake"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_kvtier_serve_stopped_by_a_signal_leaves_no_server_running(pool, stop):
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", pool], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # remote_url: redis://127.0.0.1:PORT/0 or mooncake://127.0.0.1:PORT?...
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", line).group(1))
+        assert _listening(port), line
+        proc.send_signal(stop)
+        assert proc.wait(timeout=30) is not None
+        deadline = time.monotonic() + 10
+        while _listening(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _listening(port), f"the {pool} server outlived `kvtier serve` stopped by {stop.name}"
+    finally:
+        proc.kill()
+        proc.wait()
