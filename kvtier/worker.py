@@ -131,11 +131,12 @@ class TierWorker:
         self._finished_early: list[JobReport] = []  # loads finished during wait_for_stores, for the next poll
         self.num_verify_failures = 0
 
-    def _make_copier(self):
-        """The device half, bound to the KV cache's addresses as they are now."""
+    def _make_copier(self, first: bool = True):
+        """The device half, bound to the KV cache's addresses as they are now. Only the
+        first one warms up through host slot 0: later, the slot may hold a stored block."""
         if self.device_is_cuda:
             from kvtier.transfer.cuda import CudaCopier
-            return CudaCopier(self.layout, self.tensors, self.host_buffer)
+            return CudaCopier(self.layout, self.tensors, self.host_buffer, warm_up=first)
         from kvtier.transfer.cpu import CpuCopier
         return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads)
 
@@ -159,7 +160,7 @@ class TierWorker:
         self.layout = layout
         if self._broadcaster is not None:
             self._broadcaster.addresses = [t.data_ptr() for t in self.tensors]
-        self.transfers.resume(self._make_copier())
+        self.transfers.resume(self._make_copier(first=False))
 
     @property
     def num_layers(self) -> int:

@@ -139,7 +139,7 @@ class _InFlight:
 
 class CudaCopier(DeviceCopier):
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor,
-                 staging_bytes: int = STAGING_BYTES, runtime="auto", block_mover="auto"):
+                 staging_bytes: int = STAGING_BYTES, runtime="auto", block_mover="auto", warm_up: bool = True):
         if not host_buffer.is_pinned():
             raise ValueError("the CUDA copier needs a pinned host buffer")
         self._layout = layout
@@ -162,13 +162,14 @@ class CudaCopier(DeviceCopier):
         self._job_bytes: dict = {}
         self._in_flight: list[_InFlight] = []
         self._lock = threading.Lock()  # start() may run on I/O threads while poll_done() runs on the engine's
-        self._warm_up()
+        if warm_up:  # only while the host pool is empty and idle: it writes slot 0
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """Pay every first-use cost now, at start-up, not in a step: the movers' compilation
         (block 0 gathered and written back unchanged, whole and per layer), and one store
-        and one load of block 0 through slot 0 on each path (the host pool is still empty),
-        which sets up the pooled lanes and the runtime."""
+        and one load of block 0 through slot 0 on each path, which sets up the pooled lanes
+        and the runtime. The host pool must still be empty: slot 0 is overwritten."""
         if self._block_mover is not None:
             ids = torch.zeros(1, dtype=torch.int64, device=self._device)
             for tensor_indices in (None, *((i,) for i in range(len(self._tensors)))):
