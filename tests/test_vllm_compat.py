@@ -127,6 +127,11 @@ def test_suspending_waits_for_copies_in_flight_and_refuses_new_ones():
     (result,) = engine.poll()
     assert result.job_id == refused and not result.success and "sleep mode" in result.error
     engine.resume(CpuCopier(layout, tensors, host, 1))
+    slow = [engine.submit(TransferJob(np.arange(256), np.arange(256), True)) for _ in range(8)]
+    with pytest.raises(RuntimeError, match="still running"):
+        engine.suspend(timeout=0.0)  # the copies cannot have finished: refused, nothing changed
+    assert not engine.suspended
+    assert engine.wait(slow, timeout=60) and all(r.success for r in engine.poll())
     again = engine.submit(TransferJob(np.arange(4), np.arange(4), False))
     deadline = time.monotonic() + 10
     while engine.num_in_flight and time.monotonic() < deadline:

@@ -149,7 +149,6 @@ class CudaCopier(DeviceCopier):
         self._host_buffer = host_buffer
         self._host_slots = host_buffer.view(-1, layout.slot_bytes)
         self._num_slots = self._host_slots.shape[0]
-        self._staging_bytes = staging_bytes
         self._runtime = load_cuda_runtime() if runtime == "auto" else runtime
         self._block_mover = load_block_mover() if block_mover == "auto" else block_mover
         self._movers: dict = {}  # tensor_indices -> (segments with staging columns, mover)
@@ -372,7 +371,7 @@ class CudaCopier(DeviceCopier):
         the host: what it queues next (the next layer's attention) reads the loaded blocks."""
         compute = torch.cuda.current_stream(self._device)
         wanted = set(job_ids)
-        with self._lock:  # a finished job's event may go back to the pool meanwhile: not under the lock
+        with self._lock:  # held: poll_done cannot hand an event back to the pool while we wait on it
             for record in self._in_flight:
                 if record.job.job_id in wanted:
                     compute.wait_event(record.lanes.events[0])

@@ -136,14 +136,16 @@ class TransferEngine:
 
         From now on every submitted job fails at once (a result, never a copy); the copies
         in flight get up to ``timeout`` to finish, then the copier and everything it bound
-        to device addresses are dropped. Raises if copies are still running at the
-        deadline: the memory must not be released under them. Idempotent."""
+        to device addresses are dropped. Raises, changing nothing, if copies are still
+        running at the deadline: the memory must not be released under them. Idempotent."""
         with self._lock:
             if self._suspended:
                 return
             self._suspended = True  # under the lock: a submit either is in _in_flight below or fails
             pending = set(self._in_flight)
         if not self.wait(pending, timeout):  # the copier still polls its own completions
+            with self._lock:
+                self._suspended = False  # nothing changed: the copier goes on, its copies get reported
             raise RuntimeError(f"kvtier: device copies still running after {timeout} s; "
                                f"the KV cache cannot be released under them")
         self._copier.close()
