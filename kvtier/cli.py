@@ -7,17 +7,7 @@ import dataclasses
 import json
 import sys
 
-
-def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
+from kvtier.bench.report import print_table
 
 
 def _bench_transfer(args) -> dict:
@@ -32,7 +22,7 @@ def _bench_transfer(args) -> dict:
         result = transfer.run(gib=args.gib if args.gib is not None else 1.0, repeats=args.repeats, disk_dir=args.disk_dir,
                               progress=lambda: progress.advance(task))
     if not args.json:
-        _print_table(f"kvtier bench transfer ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} scattered blocks)", [
+        print_table(f"kvtier bench transfer ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} scattered blocks)", [
             ("offload GB/s (vs memcpy)", f"{result['offload_gbps']:.2f} ({result['offload_vs_memcpy']:.2f}x)"),
             ("load GB/s (vs memcpy)", f"{result['load_gbps']:.2f} ({result['load_vs_memcpy']:.2f}x)"),
             ("memcpy GB/s", f"{result['memcpy_gbps']:.2f}"),
@@ -66,7 +56,7 @@ def _bench_transfer_cuda(args) -> dict:
                  ("store submit, host us (median / p99)", f"{result['store_submit_us_median']:.0f} / "
                                                           f"{result['store_submit_us_p99']:.0f}"),
                  ("compute stream slowdown with a store a step", f"{100 * result['compute_slowdown']:.1f}%")]
-        _print_table(f"kvtier bench transfer --device cuda ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} "
+        print_table(f"kvtier bench transfer --device cuda ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} "
                      f"blocks of {result['slot_bytes'] >> 20} MiB, {result['device']}, {result['mover']})", rows)
     return result
 
@@ -125,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     pool.add_argument("--quick", action="store_true")
     pool.add_argument("--json", action="store_true")
     pool.set_defaults(run=lambda args: __import__("kvtier.bench.pool", fromlist=["x"]).main(args))
+
+    tiers = benches.add_parser("tiers", help="a hit from each tier inside vLLM vs the floor its bytes allow")
+    tiers.add_argument("--workdir", default="kvtier-out/bench-tiers")
+    tiers.add_argument("--tiers", default=None, help="comma-separated subset of disk,file,redis,mooncake")
+    tiers.add_argument("--quick", action="store_true", help="a smaller model and fewer, shorter prompts")
+    tiers.add_argument("--json", action="store_true")
+    tiers.set_defaults(run=lambda args: __import__("kvtier.bench.tiers", fromlist=["x"]).main(args))
 
     layerwise = benches.add_parser("layerwise", help="transfer time hidden behind compute, layer by layer")
     layerwise.add_argument("--workdir", default="kvtier-out/bench-layerwise")

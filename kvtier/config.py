@@ -12,40 +12,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import yaml
 
+from kvtier.units import parse_bytes  # noqa: F401  (re-exported: callers size things with it)
+
 
 class ConfigError(ValueError):
     """A configuration key is unknown or has a value that is not allowed."""
-
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: Any) -> int:
-    """``4294967296``, ``"4GiB"``, ``"512MB"`` -> a byte count; raises ValueError."""
-    if isinstance(value, bool):
-        raise ValueError("a boolean is not a size")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    match = _SIZE_RE.match(str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 def _parse_bool(value: Any) -> bool:
@@ -84,7 +61,7 @@ def _parse_tiers(value: Any) -> tuple[str, ...]:
 
 
 def _valid_remote_url(value: str) -> bool:
-    from kvtier.tiers.remote import validate_url
+    from kvtier.tiers.registry import validate_url
     validate_url(value)  # raises ValueError with the reason
     return True
 
@@ -140,8 +117,9 @@ KEYS: dict[str, _Key] = {
         "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),
     "remote_url": _Key(
         None, _parse_optional_str, lambda v: v is None or bool(_valid_remote_url(v)),
-        "null, or a mooncake://host:port?metadata=URL, redis://, rediss:// or redis+cluster:// URL",
-        "The shared storage pool (third tier); null for none."),
+        "null, or a mooncake://host:port?metadata=URL, redis://, rediss://, redis+cluster:// or file:///path URL",
+        "The tier that instances share (third tier): a storage pool (Mooncake Store, Redis/Valkey) or a "
+        "shared directory (file:///mnt/kv, optional ?max_bytes=100GiB); null for none."),
     "remote_timeout_s": _Key(
         2.0, _parse_float, lambda v: 0 < v <= 600, "a number of seconds in (0, 600]",
         "Longest wait for one call to the pool; a slower or failed call marks it down."),
@@ -154,6 +132,10 @@ KEYS: dict[str, _Key] = {
     "load_timeout_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "A load whose disk or pool reads take longer is abandoned: its blocks are recomputed."),
+    "shutdown_flush_s": _Key(
+        10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600]",
+        "At a clean shutdown, how long kvtier's I/O process may take to finish the disk and pool writes "
+        "already queued; what is left then is dropped and logged."),
     "load_failure_policy": _Key(
         "recompute", str, lambda v: v in ("recompute", "fail"), "'recompute' or 'fail'",
         "What the engine does with blocks that fail to load (missing, corrupt, store down): recompute "
@@ -195,6 +177,7 @@ class KVTierConfig:
     remote_retry_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float
+    shutdown_flush_s: float
     load_failure_policy: str
     verify_loads: bool
     layerwise: bool

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 class LoadJob:
     """Fill device blocks from the tiers. ``ready_*`` blocks are already in host
     slots; ``fill_*`` blocks are first read into their reserved host slots from
-    the tier ``fill_from[i]`` names ("disk" or "remote"); ``missing_block_ids``
+    the tier ``fill_from[i]`` names (a ``TierSpec.name``); ``missing_block_ids``
     could not be found and fail at once."""
 
     job_id: int
@@ -42,24 +42,26 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Copy device blocks into reserved host slots, then write ``disk_keys`` and
-    ``remote_keys`` (subsets, with their slots) through to the disk tier and the pool."""
+    """Copy device blocks into reserved host slots, then write them through: ``writes``
+    maps a tier's name to the keys (a subset of ``keys``) to write to it."""
 
     job_id: int
     req_id: str
     block_ids: list[int]
     slot_ids: list[int]
     keys: list[bytes]
-    disk_keys: list[bytes]
-    disk_slot_ids: list[int]
-    remote_keys: list[bytes] = field(default_factory=list)
-    remote_slot_ids: list[int] = field(default_factory=list)
+    writes: dict[str, list[bytes]] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not (len(self.block_ids) == len(self.slot_ids) == len(self.keys)
-                and len(self.disk_keys) == len(self.disk_slot_ids)
-                and len(self.remote_keys) == len(self.remote_slot_ids)):
+        if not len(self.block_ids) == len(self.slot_ids) == len(self.keys):
             raise ValueError(f"store job {self.job_id}: block, slot and key lists differ in length")
+        known = set(self.keys)
+        if any(key not in known for keys in self.writes.values() for key in keys):
+            raise ValueError(f"store job {self.job_id}: a write names a key the job does not store")
+
+    def slots_of(self, keys: list[bytes]) -> list[int]:
+        slot_of = dict(zip(self.keys, self.slot_ids))
+        return [slot_of[key] for key in keys]
 
 
 @dataclass
@@ -71,8 +73,7 @@ class JobReport:
     success: bool  # every block of the job moved
     failed_block_ids: list[int] = field(default_factory=list)  # loads: blocks to recompute
     bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated, foreign or missing
-    failed_disk_keys: list[bytes] = field(default_factory=list)  # stores: disk writes that failed
-    failed_remote_keys: list[bytes] = field(default_factory=list)  # stores: pool writes that failed
+    failed_writes: dict[str, list[bytes]] = field(default_factory=dict)  # stores: tier name -> keys not written
     # Loads abandoned after load_timeout_s: slots a read may still write into. They stay
     # reserved until the worker reports them released (``released_slot_ids``).
     held_slot_ids: list[int] = field(default_factory=list)

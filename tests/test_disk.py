@@ -25,7 +25,7 @@ def test_write_read_round_trip_and_owner_only_permissions(disk_dir):
     store = DiskStore(disk_dir, FP, SLOT)
     store.write(key(1), memoryview(payload(1)))
     out = np.zeros(SLOT, np.uint8)
-    assert store.read_into(key(1), memoryview(out)) is None
+    assert store.read(key(1), memoryview(out)) is None
     assert np.array_equal(out, payload(1))
     mode = stat.S_IMODE(os.stat(store.path(key(1))).st_mode)
     assert mode == 0o600
@@ -43,7 +43,7 @@ def test_damaged_entries_are_misses(disk_dir, damage, reason):
     store = DiskStore(disk_dir, FP, SLOT)
     store.write(key(1), memoryview(payload(1)))
     damage(store.path(key(1)))
-    assert reason in store.read_into(key(1), memoryview(np.zeros(SLOT, np.uint8)))
+    assert reason in store.read(key(1), memoryview(np.zeros(SLOT, np.uint8)))
 
 
 def test_an_entry_of_another_namespace_is_a_miss(disk_dir):
@@ -51,7 +51,7 @@ def test_an_entry_of_another_namespace_is_a_miss(disk_dir):
     store = DiskStore(disk_dir, FP, SLOT)
     os.makedirs(store.path(key(1)).parent, exist_ok=True)
     os.replace(DiskStore(disk_dir, b"\x22" * 16, SLOT).path(key(1)), store.path(key(1)))
-    assert store.read_into(key(1), memoryview(np.zeros(SLOT, np.uint8))) == "foreign namespace"
+    assert store.read(key(1), memoryview(np.zeros(SLOT, np.uint8))) == "foreign namespace"
 
 
 def test_a_new_process_finds_the_entries_again(disk_dir):
@@ -61,9 +61,9 @@ def test_a_new_process_finds_the_entries_again(disk_dir):
     subprocess.run([sys.executable, "-c", code, disk_dir], check=True)
     _truncate(DiskStore(disk_dir, FP, SLOT).path(key(3)), 10)  # a torn file is not found
     index = DiskIndex(disk_dir, 10 * (HEADER_BYTES + SLOT), SLOT, [FP])
-    assert [index.lookup([key(i)]) for i in range(5)] == [1, 1, 1, 0, 1]
+    assert index.lookup([key(i) for i in range(5)]) == [True, True, True, False, True]
     out = np.zeros(SLOT, np.uint8)
-    assert DiskStore(disk_dir, FP, SLOT).read_into(key(4), memoryview(out)) is None and (out == 4).all()
+    assert DiskStore(disk_dir, FP, SLOT).read(key(4), memoryview(out)) is None and (out == 4).all()
 
 
 def test_leftover_temporary_files_are_removed(disk_dir):
@@ -81,10 +81,10 @@ def test_capacity_evicts_least_recently_used_unpinned(disk_dir):
     for i in (1, 2):
         index.prepare_store([key(i)])
         store.write(key(i), memoryview(payload(i)))
-        index.complete_store([key(i)], True)
+        index.complete_store([key(i)])
     index.prepare_load([key(1)])  # pinned: must survive
     assert index.prepare_store([key(3)]) == [key(3)]
-    assert index.lookup([key(1)]) == 1 and index.lookup([key(2)]) == 0
+    assert index.lookup([key(1), key(2)]) == [True, False]
     assert not store.path(key(2)).exists() and index.num_evictions == 1
     assert index.prepare_store([key(4)]) == []  # 1 pinned + 3 being written: no room
     index.complete_load([key(1)])
@@ -95,9 +95,9 @@ def test_discard_removes_a_corrupt_entry(disk_dir):
     index = DiskIndex(disk_dir, 1 << 20, SLOT, [FP])
     index.prepare_store([key(1)])
     store.write(key(1), memoryview(payload(1)))
-    index.complete_store([key(1)], True)
+    index.complete_store([key(1)])
     index.discard(key(1))
-    assert index.lookup([key(1)]) == 0 and not store.path(key(1)).exists()
+    assert index.lookup([key(1)]) == [False] and not store.path(key(1)).exists()
 
 
 def _flip_byte(path, offset):

@@ -57,7 +57,7 @@ def test_staging_a_disk_hit_never_evicts_a_later_host_hit_of_the_same_prompt(tmp
     job = mgr.plan_load("r", [a, b, c], [10, 11, 12])
     assert not job.missing_block_ids and job.ready_keys == [a, b] and job.fill_keys == [c]
     complete(mgr, job)
-    assert mgr.host.num_pins == 0 and mgr.disk.num_pins == 0
+    assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0
 
 
 def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):
@@ -140,7 +140,7 @@ class PromiseMachine(RuleBasedStateMachine):
     def teardown(self):
         for job in self.in_flight:
             complete(self.mgr, job)
-        assert self.mgr.host.num_pins == 0 and self.mgr.disk.num_pins == 0 and self.mgr.num_pending == 0
+        assert self.mgr.host.num_pins == 0 and self.mgr.tier('disk').num_pins == 0 and self.mgr.num_pending == 0
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -1,4 +1,4 @@
-"""The remote tier against a real redis-server and a real mooncake_master, on loopback."""
+"""The storage-pool tiers against a real redis-server and a real mooncake_master, on loopback."""
 
 import time
 
@@ -10,7 +10,8 @@ from kvtier.entry import HEADER_BYTES, encode_header
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager
 from kvtier.servers import local_mooncake, local_redis
-from kvtier.tiers.remote import ExistenceQueries, RemoteTier, remote_key
+from kvtier.tiers.base import TierSpec
+from kvtier.tiers.pool import pool_key
 from kvtier.worker import TierWorker
 
 NB, BS = 32, 4
@@ -68,15 +69,15 @@ def test_blocks_stored_by_one_instance_load_byte_exact_in_another(pool):
     writer, reader = Instance(pool.url), Instance(pool.url)
     blocks = [3, 4, 9]
     report = writer.run(writer.manager.plan_store("a", keys_of([1, 2, 3]), blocks), writer.worker.submit_store)
-    assert report.success and not report.failed_remote_keys
+    assert report.success and not report.failed_writes
     assert reader.lookup(keys_of([1, 2, 3, 4])) == 3
     job = reader.manager.plan_load("r", keys_of([1, 2, 3]), [20, 21, 22])
-    assert job.fill_from == ["remote"] * 3
+    assert job.fill_from == [reader.manager.tiers[0].name] * 3
     report = reader.run(job, reader.worker.submit_load)
     assert report.success
     for w, r in zip(writer.tensors, reader.tensors):
         assert torch.equal(w[blocks].view(torch.int16), r[[20, 21, 22]].view(torch.int16))
-    assert reader.manager.host.num_pins == 0 and reader.manager.stats.remote_hit_blocks == 3
+    assert reader.manager.host.num_pins == 0 and reader.manager.stats.hit_blocks[job.fill_from[0]] == 3
     writer.close()
     reader.close()
 
@@ -89,7 +90,7 @@ def test_corrupt_truncated_and_foreign_pool_entries_are_misses(tmp_path):
         writer.run(writer.manager.plan_store("a", keys_of(range(4)), [1, 2, 3, 4]), writer.worker.submit_store)
         client = redis.Redis.from_url(server.url)
         fp = writer.worker.rank_fingerprint
-        names = [remote_key(fp, k) for k in keys_of(range(4))]
+        names = [pool_key(fp, k) for k in keys_of(range(4))]
         good = client.get(names[0])
         damaged = bytearray(good)
         damaged[HEADER_BYTES + 5] ^= 0xFF
@@ -114,13 +115,13 @@ def test_a_pool_that_is_down_costs_bounded_time_and_comes_back(tmp_path):
         began = time.monotonic()
         assert instance.lookup(keys_of([1, 2])) == 0  # a miss, within the timeout
         report = instance.run(instance.manager.plan_store("a", keys_of([5]), [5]), instance.worker.submit_store)
-        assert report.failed_remote_keys == keys_of([5])  # counted, not raised
+        assert report.failed_writes == {"redis": keys_of([5])}  # counted, not raised
         assert time.monotonic() - began < 5
-        assert instance.manager.stats.failed_remote_writes == 1
+        assert instance.manager.stats.failed_writes["redis"] == 1
         server.start()
         time.sleep(1.1)  # remote_retry_s: then kvtier reconnects
         report = instance.run(instance.manager.plan_store("a", keys_of([6]), [6]), instance.worker.submit_store)
-        assert report.success and not report.failed_remote_keys
+        assert report.success and not report.failed_writes
         other = Instance(server.url)
         assert other.lookup(keys_of([6])) == 1
         instance.close()
@@ -128,16 +129,20 @@ def test_a_pool_that_is_down_costs_bounded_time_and_comes_back(tmp_path):
 
 
 def test_existence_queries_never_wait_on_a_silent_pool():
-    tier = RemoteTier("redis://127.0.0.1:9/0", timeout_s=0.3, retry_s=60)  # nothing listens on port 9
-    queries = ExistenceQueries(tier)
+    from kvtier.tiers import redis as redis_tier
+
+    spec = TierSpec("redis", "kvtier.tiers.redis", "redis://127.0.0.1:9/0", timeout_s=0.3, retry_s=60)
+    index = redis_tier.make_index(spec, 64, [b"\x01" * 16])  # nothing listens on port 9
     began = time.monotonic()
     answer = None
     while answer is None:
-        answer = queries.query("t", ["a", "b"])
+        answer = index.lookup(keys_of([1, 2]), "t")
         time.sleep(0.01)
     assert answer == [False, False] and time.monotonic() - began < 2
-    assert queries.query("t", ["a"]) == [False]  # while marked down: an immediate miss
-    queries.close()
+    assert index.lookup(keys_of([1]), "t") is None  # a new question is asked off this thread...
+    time.sleep(0.05)
+    assert index.lookup(keys_of([1]), "t") == [False]  # ...and, the pool being marked down, answered at once
+    index.close()
 
 
 def test_a_damaged_pool_entry_is_not_offered_again(tmp_path):
@@ -148,7 +153,7 @@ def test_a_damaged_pool_entry_is_not_offered_again(tmp_path):
         writer, reader = Instance(server.url), Instance(server.url)
         writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
         client = redis.Redis.from_url(server.url)
-        client.set(remote_key(writer.worker.rank_fingerprint, keys_of([1])[0]), b"garbage")
+        client.set(pool_key(writer.worker.rank_fingerprint, keys_of([1])[0]), b"garbage")
         assert reader.lookup(keys_of([1, 2]), token="first") == 2  # it exists in the pool...
         report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
         assert report.failed_block_ids == [5]

@@ -1,6 +1,7 @@
 """The scheduler-side manager and the worker together, as an engine drives them."""
 
 import random
+import shutil
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from kvtier.config import KVTierConfig
 from kvtier.entry import HEADER_BYTES
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager
+from kvtier.tiers.disk import entry_path
 from kvtier.worker import TierWorker
 
 NB, BS = 48, 4
@@ -41,14 +43,16 @@ class Engine:
         self.manager = TierManager(self.config, slot_bytes, [rank_fingerprint])
         self.worker = TierWorker(self.config, tensors, NB, BS, NAMESPACE, layout_kind=kind)
 
-    def run(self, jobs, submit):
+    def run(self, jobs, submit, expect=None):
+        """Submit ``jobs``, then step until ``expect`` (default: that many) reports came back."""
         for job in jobs:
             submit(job)
         reports = []
         deadline = time.monotonic() + 30
-        while len(reports) < len(jobs):
+        while len(reports) < (len(jobs) if expect is None else expect):
             assert time.monotonic() < deadline, "jobs did not finish"
             reports += self.worker.poll()
+            self.manager.on_released(self.worker.released_slots())
             time.sleep(0.0005)
         self.manager.on_reports(reports)
         return reports
@@ -82,7 +86,7 @@ def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk
     original = [t.clone() for t in tensors]
     engine.store(keys_of(range(6)), blocks)  # written through to disk
     engine.store(keys_of(range(100, 106)), [40, 41, 42, 43, 44, 45])  # evicts all of the first store from host
-    assert engine.manager.host.lookup(keys_of([0])) == 0 and engine.manager.disk.lookup(keys_of(range(6))) == 6
+    assert engine.manager.host.lookup(keys_of([0])) == 0 and all(engine.manager.tier('disk').lookup(keys_of(range(6))))
     for t in tensors:
         t.zero_()
     job, report = engine.load(keys_of(range(6)), [5, 6, 7, 8, 9, 10])  # disk -> host -> other device blocks
@@ -105,14 +109,14 @@ def test_corrupt_disk_entry_fails_only_its_block_and_is_forgotten(disk_dir):
     engine.store(keys_of(range(2)), [1, 2])
     engine.store(keys_of(range(2, 3)), [3])
     engine.store(keys_of(range(10, 12)), [4, 5])  # push the first blocks out of host
-    path = engine.worker.disk.path(keys_of([1])[0])
+    path = entry_path(disk_dir, engine.worker.rank_fingerprint, keys_of([1])[0])
     data = bytearray(path.read_bytes())
     data[HEADER_BYTES + 3] ^= 1
     path.write_bytes(bytes(data))
     job, report = engine.load(keys_of(range(3)), [20, 21, 22])
     assert report.failed_block_ids == [21] and report.bad_keys == keys_of([1])
     assert engine.manager.stats.bad_entries == 1
-    assert engine.manager.disk.lookup(keys_of([1])) == 0 and not path.exists()
+    assert engine.manager.tier('disk').lookup(keys_of([1])) == [False] and not path.exists()
     assert engine.manager.host.num_pins == 0
     engine.close()
 
@@ -182,7 +186,7 @@ def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir):
             pending_reports -= 1
             engine.manager.on_reports([report])
     assert engine.manager.num_pending == 0 and engine.worker.num_jobs_in_flight == 0
-    assert engine.manager.host.num_pins == 0 and engine.manager.disk.num_pins == 0
+    assert engine.manager.host.num_pins == 0 and engine.manager.tier('disk').num_pins == 0
     assert engine.manager.host.num_used <= engine.manager.host.num_slots
     engine.close()
 
@@ -259,7 +263,7 @@ def test_a_layerwise_store_sends_each_layer_once_and_the_rest_at_the_end(disk_di
     assert len(reports) == 1 and reports[0].success
     assert reports[0].num_bytes == 3 * engine.worker.layout.slot_bytes  # every layer once, no layer twice
     assert engine.worker.poll() == [] and engine.worker.num_jobs_in_flight == 0
-    assert not engine.worker._job_of_transfer  # no transfer made and never sent
+    assert not engine.worker.book.store_transfers([job.job_id])  # no transfer made and never sent
     for t in tensors:
         t.zero_()
     _, report = engine.load(keys_of(range(3)), [1, 2, 3])
@@ -303,15 +307,20 @@ def test_an_unexpected_error_on_an_io_thread_still_ends_the_job(disk_dir):
     engine.store(keys_of([1, 2]), [1, 2])
     engine.store(keys_of([3, 4]), [3, 4])  # 1 and 2 now only on disk
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected fault")
-
-    engine.worker.disk.read_into = broken  # fault injection on the real disk store
-    engine.worker.disk.write = broken
+    # Faults in the I/O process's file system calls: entries replaced by directories (a read
+    # fails), and the folder a new entry goes to replaced by a file (its write fails).
+    fp = engine.worker.rank_fingerprint
+    for key in keys_of([1, 2]):
+        path = entry_path(disk_dir, fp, key)
+        path.unlink()
+        path.mkdir()
+    folder = entry_path(disk_dir, fp, keys_of([5])[0]).parent
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.write_bytes(b"not a folder")
     job, report = engine.load(keys_of([1, 2]), [10, 11])
     assert sorted(report.failed_block_ids) == [10, 11]
     reports = engine.store(keys_of([5]), [5])
-    assert reports and reports[0].failed_disk_keys == keys_of([5])
-    assert engine.manager.host.num_pins == 0 and engine.manager.disk.num_pins == 0
+    assert reports and reports[0].failed_writes == {"disk": keys_of([5])}
+    assert engine.manager.host.num_pins == 0 and engine.manager.tier('disk').num_pins == 0
     assert engine.manager.num_pending == 0
     engine.close()

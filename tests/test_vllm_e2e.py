@@ -81,7 +81,7 @@ def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(fir
             served += out["cached"]
     assert served > 0
     state = first_process["kvtier"]
-    assert state["host_pins"] == 0 and state["disk_pins"] == 0
+    assert state["host_pins"] == 0 and state["tier_pins"] == 0
     assert state["pending_jobs"] == 0 and state["worker_jobs_in_flight"] == 0 and state["transfers_in_flight"] == 0
     assert state["open_send_waits"] == 0 and state["tracked_requests"] == 0
     assert state["host_used"] <= state["host_slots"]
@@ -90,7 +90,7 @@ def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(fir
 def test_a_small_host_pool_evicts_to_disk_and_stays_correct(first_process):
     state = first_process["kvtier"]
     assert state["host_evictions"] > 0
-    assert state["stats"]["disk_hit_blocks"] > 0
+    assert state["stats"]["hit_blocks"]["disk"] > 0
     assert state["stats"]["failed_load_blocks"] == 0
 
 
@@ -156,10 +156,10 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
         deadline = time.monotonic() + 30
         while True:  # stats reach the front end at its next logging interval
             metrics = _prometheus_values(http_text(url + "/metrics"))
-            if metrics.get("vllm:kvtier_hit_tokens_host_total", 0) > 0 or time.monotonic() > deadline:
+            if metrics.get("vllm:kvtier_hit_tokens_total|host", 0) > 0 or time.monotonic() > deadline:
                 break
             time.sleep(1)
-    assert metrics["vllm:kvtier_hit_tokens_host_total"] == (1000 // BLOCK) * BLOCK
+    assert metrics["vllm:kvtier_hit_tokens_total|host"] == (1000 // BLOCK) * BLOCK
     assert metrics["vllm:kvtier_store_bytes_total"] > 0 and metrics["vllm:kvtier_load_bytes_total"] > 0
     assert metrics["vllm:kvtier_miss_tokens_total"] >= 1000
     assert metrics["vllm:kvtier_host_slots"] > 0
@@ -170,6 +170,8 @@ def _prometheus_values(text: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("vllm:kvtier_"):
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            if 'tier="' in line:  # per-tier metrics: one entry per tier
+                name += "|" + line.split('tier="')[1].split('"')[0]
             values[name] = values.get(name, 0) + value
     return values
 

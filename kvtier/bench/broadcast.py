@@ -72,8 +72,8 @@ def main(args) -> dict:
     result = run(num_blocks=32 if args.quick else 125, layers=8 if args.quick else 61,
                  shard_blocks=args.shard_blocks)
     if not args.json:
-        from kvtier.cli import _print_table
-        _print_table(f"kvtier bench broadcast ({result['blocks']} blocks, 2 ranks, gloo)", [
+        from kvtier.bench.report import print_table
+        print_table(f"kvtier bench broadcast ({result['blocks']} blocks, 2 ranks, gloo)", [
             ("shard bytes", f"{result['shard_bytes'] / 2**20:.1f} MiB"),
             ("peak receive bytes, sharded (x shard)",
              f"{result['peak_bytes_sharded'] / 2**20:.1f} MiB ({result['peak_vs_shard']:.2f}x)"),

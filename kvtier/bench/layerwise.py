@@ -304,7 +304,7 @@ def main(args) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
         result.update(producer_ttft(workdir, args.quick))
     if not args.json:
-        from kvtier.cli import _print_table
+        from kvtier.bench.report import print_table
         rows = [("per-layer compute / store / load", f"{result['per_layer_compute_ms']:.2f} / "
                  f"{result['per_layer_store_ms']:.2f} / {result['per_layer_load_ms']:.2f} ms"),
                 ("stores: compute + transfer, separately vs together",
@@ -319,6 +319,6 @@ def main(args) -> dict:
         if "producer_ttft_layerwise_s" in result:
             rows += [("producer TTFT, layer-wise stores", f"{result['producer_ttft_layerwise_s']:.3f} s"),
                      ("producer TTFT, whole-request stores", f"{result['producer_ttft_whole_s']:.3f} s")]
-        _print_table(f"kvtier bench layerwise ({result['num_layers']} layers, "
+        print_table(f"kvtier bench layerwise ({result['num_layers']} layers, "
                      f"{result['layer_bytes'] / 2**20:.0f} MiB per layer)", rows)
     return result

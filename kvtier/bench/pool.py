@@ -1,9 +1,9 @@
 """``kvtier bench pool``: the storage pool through kvtier vs the raw client, and
 prefill/decode through it.
 
-Put and get GB/s of whole blocks through kvtier's remote tier (header, checksum,
-validation, zero-copy buffers) beside the store's own client moving the same
-bytes in the same run: Mooncake's ``batch_put_from``/``batch_get_into`` on one
+Put and get GB/s of whole blocks through kvtier's real path (jobs to its I/O
+process: header, checksum, validation, zero-copy buffers) beside the store's own
+client moving the same bytes in the same run, one batch at a time on both sides: Mooncake's ``batch_put_from``/``batch_get_into`` on one
 registered buffer, Redis's pipelined ``SET``/``GET``. Then, on a generated model:
 the decode instance's time to first token beside recompute, and the producer's
 extra time for writing to the pool.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.bench.io_path import IOPath
 from kvtier.servers import local_mooncake, local_redis
-from kvtier.tiers.remote import RemoteTier, connect
+from kvtier.tiers.base import TierSpec
 
 
 def _blocks(num_blocks: int, slot_bytes: int) -> np.ndarray:
@@ -30,47 +30,31 @@ def _blocks(num_blocks: int, slot_bytes: int) -> np.ndarray:
 
 
 def _tier_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
-    """kvtier's path: headers encoded and checked, values moved between registered buffers."""
-    fingerprint = b"\x05" * 16
-    headers = np.zeros((len(payload), HEADER_BYTES), np.uint8)
-    out = np.zeros_like(payload)
-    out_headers = np.zeros_like(headers)
-    tier = RemoteTier(url, 30.0, 1.0)
-    for array in (payload, headers, out, out_headers):
-        tier.register(array.ctypes.data, array.nbytes)
-    keys = [i.to_bytes(16, "little") for i in range(len(payload))]
+    """kvtier's path: jobs to its I/O process, which encodes and checks each entry's header and
+    moves values straight between the shared host pool and the pool (zero-copy where it can)."""
+    from kvtier.tiers.registry import SCHEMES
+
+    name, module = SCHEMES[url.split("://")[0]]
+    path = IOPath(TierSpec(name, module, url, timeout_s=30.0, retry_s=1.0), len(payload), payload.shape[1])
+    path.slots[:] = payload
     put_times, get_times = [], []
     for round_ in range(repeats):
-        names = [f"bench/tier/{round_}/{k.hex()}" for k in keys]
-        began = time.perf_counter()
-        for start in range(0, len(keys), batch):
-            part = range(start, min(start + batch, len(keys)))
-            for i in part:
-                headers[i] = np.frombuffer(encode_header(fingerprint, keys[i], payload[i]), np.uint8)
-            ok = tier.call("put", [names[i] for i in part], [memoryview(headers[i]) for i in part],
-                           [memoryview(payload[i]) for i in part])
-            assert ok and all(ok), "put failed"
-        put_times.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        for start in range(0, len(keys), batch):
-            part = range(start, min(start + batch, len(keys)))
-            found = tier.call("get_into", [names[i] for i in part], [memoryview(out_headers[i]) for i in part],
-                              [memoryview(out[i]) for i in part])
-            assert found and all(found), "get failed"
-            for i in part:
-                assert check_entry(bytes(out_headers[i]), out[i], fingerprint, keys[i], out.shape[1]) is None
-        get_times.append(time.perf_counter() - began)
-    assert np.array_equal(out, payload)
-    tier.close()
+        keys = [i.to_bytes(15, "little") + bytes([round_]) for i in range(len(payload))]
+        put_times.append(path.run(True, keys, batch, in_flight=1))
+        path.slots[:] = 0
+        get_times.append(path.run(False, keys, batch, in_flight=1))
+    assert np.array_equal(path.slots, payload), "kvtier read back other bytes than it wrote"
+    path.close()
     return min(put_times), min(get_times)
 
 
 def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
     """The store's own client moving the same bytes, one value per block, no kvtier."""
-    store = connect(url, 30.0)
     out = np.zeros_like(payload)
     put_times, get_times = [], []
     if url.startswith("mooncake"):
+        from kvtier.tiers.mooncake import MooncakeClient
+        store = MooncakeClient(url, 30.0)
         raw = store._store
         for array in (payload, out):
             raw.register_buffer(array.ctypes.data, array.nbytes)
@@ -92,6 +76,8 @@ def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> 
                 assert all(code == size for code in codes)
             get_times.append(time.perf_counter() - began)
     else:
+        from kvtier.tiers.redis import RedisClient
+        store = RedisClient(url, 30.0)
         client = store._client
         for round_ in range(repeats):
             names = [f"bench/raw/{round_}/{i}" for i in range(len(payload))]
@@ -173,7 +159,7 @@ def main(args) -> dict:
     result = throughput(mib=64 if args.quick else 512)
     result.update(disaggregated(workdir, args.quick))
     if not args.json:
-        from kvtier.cli import _print_table
+        from kvtier.bench.report import print_table
         rows = []
         for name in ("mooncake", "redis"):
             rows += [(f"{name} put GB/s: kvtier / raw client",
@@ -187,5 +173,5 @@ def main(args) -> dict:
                   f"{result['pd_decode_ttft_s']:.3f} s ({result['pd_decode_speedup_vs_recompute']:.1f}x faster)"),
                  ("producer TTFT, writing to the pool",
                   f"{result['pd_producer_ttft_s']:.3f} s ({result['pd_producer_overhead_fraction']:+.1%})")]
-        _print_table(f"kvtier bench pool ({result['bytes'] / 2**20:.0f} MiB in 1 MiB blocks, loopback)", rows)
+        print_table(f"kvtier bench pool ({result['bytes'] / 2**20:.0f} MiB in 1 MiB blocks, loopback)", rows)
     return result

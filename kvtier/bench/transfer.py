@@ -2,8 +2,10 @@
 
 Offload and load move scattered blocks of a vLLM-CPU-layout KV cache through the
 transfer engine; the peer is one plain ``copy_`` of the same number of bytes
-between two preallocated buffers. Disk write/read go through the disk tier's
-entries; the peer is one plain sequential file written and read in 4 MiB chunks.
+between two preallocated buffers. Disk write/read go through the disk tier's real
+path: jobs of ``BLOCKS_PER_JOB`` blocks to kvtier's I/O process (two in flight, as a
+worker with several requests has), which frames, checksums and writes each entry
+atomically; the peer is one plain sequential file written and read in 4 MiB chunks.
 """
 
 from __future__ import annotations
@@ -12,18 +14,22 @@ import os
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from kvtier.bench.io_path import IOPath
 from kvtier.keys import block_keys
 from kvtier.layout import detect_layout
-from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.base import TierSpec
+from kvtier.tiers.registry import DISK_MODULE
 from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer
 from kvtier.worker import tensor_info
+
+
+BLOCKS_PER_JOB = 64  # a store or load job of a 2,048-token prompt in 32-token blocks
 
 
 def _best(times: list[float]) -> float:
@@ -101,26 +107,17 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
 
 
 def _disk(slots: np.ndarray, disk_dir: str | None, io_threads: int, repeats: int, progress) -> dict:
+    """kvtier's disk tier on its real path (jobs to its I/O process, which frames, checksums and
+    writes each entry atomically) beside one plain file of the same bytes."""
     total = slots.nbytes
     keys = [i.to_bytes(16, "little") for i in range(len(slots))]
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvtier-bench-") as root:
-        store = DiskStore(root, b"\x07" * 16, slots.shape[1])
+        path = IOPath(TierSpec("disk", DISK_MODULE, os.path.join(root, "tier"), threads=io_threads),
+                      len(slots), slots.shape[1])
+        path.slots[:] = slots
         plain_path = os.path.join(root, "plain.bin")
         chunk = 4 << 20
         flat = slots.reshape(-1)
-        pool = ThreadPoolExecutor(io_threads)
-
-        def tier_write() -> float:
-            began = time.perf_counter()
-            list(pool.map(lambda i: store.write(keys[i], memoryview(slots[i])), range(len(slots))))
-            return time.perf_counter() - began
-
-        def tier_read() -> float:
-            began = time.perf_counter()
-            failures = list(pool.map(lambda i: store.read_into(keys[i], memoryview(slots[i])), range(len(slots))))
-            elapsed = time.perf_counter() - began
-            assert not any(failures), failures[:3]
-            return elapsed
 
         def plain_write() -> float:
             began = time.perf_counter()
@@ -138,15 +135,18 @@ def _disk(slots: np.ndarray, disk_dir: str | None, io_threads: int, repeats: int
             return time.perf_counter() - began
 
         writes, reads, file_writes, file_reads = [], [], [], []
-        for _ in range(repeats + 2):  # page-cache writeback makes single runs noisy: best of more
+        for round_ in range(repeats + 2):  # page-cache writeback makes single runs noisy: best of more
             file_writes.append(plain_write())
             file_reads.append(plain_read())
             os.unlink(plain_path)
-            writes.append(tier_write())
-            reads.append(tier_read())
+            round_keys = [key[:-1] + bytes([round_]) for key in keys]  # new entries each round
+            writes.append(path.run(True, round_keys, BLOCKS_PER_JOB))
+            path.slots[:] = 0
+            reads.append(path.run(False, round_keys, BLOCKS_PER_JOB))
             if progress:
                 progress()
-        pool.shutdown()
+        assert np.array_equal(path.slots, slots), "the disk tier read back other bytes than it wrote"
+        path.close()
     out = {
         "disk_write_gbps": total / _best(writes) / 1e9,
         "disk_read_gbps": total / _best(reads) / 1e9,

@@ -141,9 +141,9 @@ def _progress(args, total):
 
 
 def _print(r: dict) -> None:
-    from kvtier.cli import _print_table
+    from kvtier.bench.report import print_table
 
-    _print_table(f"kvtier bench ttft: {r['model']}, {r['prompt_tokens']}-token prompt", [
+    print_table(f"kvtier bench ttft: {r['model']}, {r['prompt_tokens']}-token prompt", [
         ("recompute TTFT", f"{r['recompute_ttft_s']:.3f} s"),
         ("kvtier host hit TTFT (x faster)", f"{r['kvtier_host_ttft_s']:.3f} s ({r['host_speedup_vs_recompute']:.1f}x)"),
         ("kvtier disk hit, new process (x faster)",

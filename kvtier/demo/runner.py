@@ -10,7 +10,11 @@ A spec: ``{"model", "connector": "kvtier"|"example"|null, "extra": {...},
 ...}]}``. Sequential phases time each request's first token; concurrent phases
 submit all requests at once and may abort some at random. A phase with
 ``wait_for`` starts once that file exists; after phase i, ``OUT.json.phase<i>.done``
-is created.
+is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
+(vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
+layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
+``"drain": false`` is not followed by extra engine steps; ``"idle_s"`` leaves the engine
+idle (no step) that long after the phase's ``done`` file is written.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import random
 import sys
 import time
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs here, so kvtier's state can be read
 
 
 def _output_record(out) -> dict:
@@ -78,18 +81,17 @@ def kvtier_state(llm) -> dict:
     scheduler, worker = kvtier_sides(llm)
     manager = scheduler.manager
     return {
-        "hit_tokens_host": scheduler.hit_tokens["host"],
-        "hit_tokens_disk": scheduler.hit_tokens["disk"],
-        "hit_tokens_remote": scheduler.hit_tokens["remote"],
+        **{f"hit_tokens_{tier}": scheduler.hit_tokens[tier]
+           for tier in ["host", *(t.name for t in manager.tiers)]},
         "miss_tokens": scheduler.miss_tokens,
         "host_pins": manager.host.num_pins,
         "host_used": manager.host.num_used,
         "host_slots": manager.host.num_slots,
         "host_evictions": manager.host.num_evictions,
-        "disk_pins": manager.disk.num_pins if manager.disk else 0,
+        "tier_pins": sum(getattr(t, "num_pins", 0) for t in manager.tiers),
         "pending_jobs": manager.num_pending,
         "tracked_requests": scheduler.num_tracked_requests,
-        "stats": vars(manager.stats).copy(),
+        "stats": {name: dict(value) if isinstance(value, dict) else value for name, value in vars(manager.stats).items()},
         **({} if worker is None else {  # None: tensor parallel, the workers are other processes
             "worker_jobs_in_flight": worker.tier_worker.num_jobs_in_flight,
             "transfers_in_flight": worker.tier_worker.transfers.num_in_flight,
@@ -101,7 +103,9 @@ def kvtier_state(llm) -> dict:
 
 def drain(llm, timeout: float = 60.0) -> None:
     """Step the engine until no connector work is in flight, as vLLM's busy loop does."""
-    core = llm.llm_engine.engine_core.engine_core
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return  # the engine core runs in a process of its own, which steps by itself
     deadline = time.monotonic() + timeout
     while core.scheduler.has_requests() and time.monotonic() < deadline:
         core.step()
@@ -113,6 +117,9 @@ def main(spec_path: str, out_path: str) -> None:
     from kvtier.demo.engine import make_llm
 
     spec = json.load(open(spec_path))
+    in_process = spec.get("layout", "in_process") == "in_process"
+    # In process, the engine runs here and kvtier's state can be read.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     began = time.perf_counter()
     llm = make_llm(spec["model"], spec.get("connector"), spec.get("extra"), **spec.get("engine", {}))
     result = {"startup_s": time.perf_counter() - began, "phases": []}
@@ -128,7 +135,8 @@ def main(spec_path: str, out_path: str) -> None:
         params = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, ignore_eos=True, logprobs=1)
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # so that hits come from the connector, not vLLM's own cache
-        before = kvtier_state(llm) if spec.get("connector") == "kvtier" else None
+        inspect = spec.get("connector") == "kvtier" and in_process
+        before = kvtier_state(llm) if inspect else None
         began = time.perf_counter()
         if phase.get("mode", "sequential") == "sequential":
             record = run_sequential(engine, phase["prompts"], params, on_request=_progress_printer(phase))
@@ -136,17 +144,19 @@ def main(spec_path: str, out_path: str) -> None:
             record = run_concurrent(engine, phase["prompts"], params, phase.get("abort_probability", 0.0),
                                     phase.get("seed", 0))
         record["seconds"] = time.perf_counter() - began
-        drain(llm)
+        if in_process and phase.get("drain", True):
+            drain(llm)
         record["name"] = phase.get("name", "")
         if before is not None:
             after = kvtier_state(llm)
             record["kvtier_delta"] = {
-                key: after[key] - before[key] for key in ("hit_tokens_host", "hit_tokens_disk", "hit_tokens_remote", "miss_tokens")}
+                key: after[key] - before[key] for key in after if key.startswith("hit_tokens_") or key == "miss_tokens"}
             record["kvtier_delta"].update({f"{key}": after["stats"][key] - before["stats"][key]
                                            for key in ("load_bytes", "store_bytes", "loaded_blocks", "stored_blocks")})
         result["phases"].append(record)
         open(f"{out_path}.phase{index}.done", "w").close()
-    if spec.get("connector") == "kvtier":
+        time.sleep(phase.get("idle_s", 0))
+    if spec.get("connector") == "kvtier" and in_process:
         result["kvtier"] = kvtier_state(llm)
     json.dump(result, open(out_path, "w"))
 

@@ -7,22 +7,25 @@ temporary file that is renamed into place, so a crash never leaves a
 half-written file under an entry's name; a torn write after a power loss fails
 its checksum and is a miss.
 
-Two halves, one per side:
+The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which keys are on disk (found again by a
   scan at start-up), pins for loads in flight, LRU eviction within ``disk_bytes``.
-- ``DiskStore`` runs in the worker: reads and writes entries, on the worker's I/O
-  threads, never on the engine's step.
+- ``DiskStore`` runs in kvtier's I/O process: reads and writes entries on its own
+  threads, never on the engine's interpreter.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.tiers.base import TierIndex, TierSpec, TierStore
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -30,10 +33,18 @@ _FILE_MODE = 0o600
 
 def entry_path(root: Path, rank_fingerprint: bytes, key: bytes) -> Path:
     key_hex = key.hex()
-    return root / rank_fingerprint.hex() / key_hex[:2] / key_hex
+    return Path(root) / rank_fingerprint.hex() / key_hex[:2] / key_hex
 
 
-class DiskIndex:
+def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> "DiskIndex":
+    return DiskIndex(spec.location, spec.capacity_bytes, slot_bytes, rank_fingerprints, spec.name)
+
+
+def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "DiskStore":
+    return DiskStore(spec.location, rank_fingerprint, slot_bytes, spec.threads)
+
+
+class DiskIndex(TierIndex):
     """Which blocks are on disk, for all ranks of one namespace.
 
     An entry counts as present only when every rank's file is there. Each entry
@@ -41,7 +52,8 @@ class DiskIndex:
     """
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, slot_bytes: int,
-                 rank_fingerprints: Sequence[bytes]):
+                 rank_fingerprints: Sequence[bytes], name: str = "disk"):
+        self.name = name
         self.root = Path(root)
         self.slot_bytes = slot_bytes
         self.rank_fingerprints = list(rank_fingerprints)
@@ -93,14 +105,15 @@ class DiskIndex:
     def num_entries(self) -> int:
         return len(self._ready) + len(self._writing)
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = 0
-        for key in keys:
-            if key not in self._ready:
-                break
-            self._ready.move_to_end(key)
-            hits += 1
-        return hits
+    def lookup(self, keys: Sequence[bytes], token: str | None = None) -> list[bool]:
+        found = [key in self._ready for key in keys]
+        for key, hit in zip(keys, found):
+            if hit:
+                self._ready.move_to_end(key)
+        return found
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self._ready), "evictions": self.num_evictions, "discarded": self.num_discarded}
 
     def contains(self, key: bytes) -> bool:
         return key in self._ready or key in self._writing
@@ -113,13 +126,15 @@ class DiskIndex:
         for key in keys:
             self._pins[key] = self._pins.get(key, 0) + 1
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
+    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes] = ()) -> None:
         for key in keys:
             pins = self._pins[key] - 1
             if pins:
                 self._pins[key] = pins
             else:
                 del self._pins[key]
+        for key in bad_keys:  # after the pins are gone, so that discarding works
+            self.discard(key)
 
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
         """Reserve room for the keys not yet on disk; returns those to write.
@@ -136,13 +151,13 @@ class DiskIndex:
             accepted.append(key)
         return accepted
 
-    def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
-        for key in keys:
+    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes] = ()) -> None:
+        for key in written:
             self._writing.discard(key)
-            if success:
-                self._ready[key] = None
-            else:
-                self._delete_files(key)
+            self._ready[key] = None
+        for key in failed:
+            self._writing.discard(key)
+            self._delete_files(key)
 
     def discard(self, key: bytes) -> None:
         """Drop an entry found corrupt or missing: a miss from now on."""
@@ -167,16 +182,50 @@ class DiskIndex:
             _unlink_quietly(entry_path(self.root, fingerprint, key))
 
 
-class DiskStore:
-    """Reads and writes one rank's entries. Thread-safe; call it off the engine's step."""
+class DiskStore(TierStore):
+    """Reads and writes one rank's entries. Thread-safe; runs in kvtier's I/O process.
 
-    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int):
+    A batch is spread over ``threads`` threads: file I/O releases the GIL, so several
+    entries are in the kernel at once."""
+
+    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
         self.root = Path(root)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
         (self.root / rank_fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
+        # Unique across hosts that share a directory: two writers never share a temporary file.
+        self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
+
+    def _each(self, function, *columns) -> list:
+        if self._threads is None or len(columns[0]) < 2:
+            return list(map(function, *columns))
+        return list(self._threads.map(function, *columns))
+
+    def read_into(self, keys, slot_ids, deadline) -> list[str | None]:
+        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+
+    def write_from(self, keys, slot_ids, deadline) -> list[str | None]:
+        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+
+    def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
+        try:
+            return self.read(key, out)
+        except Exception as error:  # every block gets an outcome, whatever the filesystem raises
+            return f"read failed: {error!r}"
+
+    def _write_guarded(self, key: bytes, payload: memoryview) -> str | None:
+        try:
+            self.write(key, payload)
+            return None
+        except Exception as error:
+            return f"write failed: {error!r}"
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
 
     def path(self, key: bytes) -> Path:
         return entry_path(self.root, self.rank_fingerprint, key)
@@ -190,7 +239,7 @@ class DiskStore:
             with self._lock:
                 self._made_dirs.add(parent)
         header = encode_header(self.rank_fingerprint, key, payload)
-        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
         try:
             try:
@@ -204,7 +253,7 @@ class DiskStore:
             _unlink_quietly(temporary)
             raise
 
-    def read_into(self, key: bytes, out: memoryview) -> str | None:
+    def read(self, key: bytes, out: memoryview) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss.
 
         On failure ``out`` holds garbage and must not be used.
@@ -233,5 +282,5 @@ class DiskStore:
 def _unlink_quietly(path: str | os.PathLike) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:  # gone already, or not a file kvtier wrote: either way not an entry any more
         pass

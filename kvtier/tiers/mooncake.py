@@ -1,4 +1,4 @@
-"""Mooncake Store backend of the remote tier (``mooncake://``).
+"""Mooncake Store tier (``mooncake://``): a storage pool (``kvtier.tiers.pool``).
 
 ``mooncake://<master host>:<rpc port>?metadata=<metadata URL>&protocol=tcp&segment=<bytes>``
 (``protocol`` defaults to tcp, ``rdma`` where the deployment has it;
@@ -16,8 +16,25 @@ import os
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
-from kvtier.config import parse_bytes
-from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
+from kvtier.tiers.base import TierSpec
+from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index
+from kvtier.units import parse_bytes
+
+
+def validate(url: str) -> None:
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        raise ValueError("no host")
+    if "metadata" not in parse_qs(parsed.query):
+        raise ValueError("a mooncake:// URL needs ?metadata=<metadata server URL>")
+
+
+def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
+    return make_pool_index(spec, rank_fingerprints, lambda: MooncakeClient(spec.location, spec.timeout_s))
+
+
+def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
+    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: MooncakeClient(spec.location, spec.timeout_s))
 
 
 def _address(view: memoryview) -> int:
@@ -25,7 +42,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class MooncakeStore(RemoteStore):
+class MooncakeClient(PoolClient):
     def __init__(self, url: str, timeout_s: float):
         from mooncake.store import MooncakeDistributedStore
 
@@ -40,17 +57,17 @@ class MooncakeStore(RemoteStore):
             parse_bytes(query.get("segment", "256MiB")), parse_bytes(query.get("buffer", "64MiB")),
             query.get("protocol", "tcp"), query.get("device", ""), f"{parsed.hostname}:{parsed.port or 50051}")
         if code != 0:
-            raise RemoteUnavailable(f"mooncake setup returned {code}")
+            raise PoolUnavailable(f"mooncake setup returned {code}")
 
     def register(self, address: int, num_bytes: int) -> None:
         code = self._store.register_buffer(address, num_bytes)
         if code != 0:
-            raise RemoteUnavailable(f"mooncake register_buffer returned {code}")
+            raise PoolUnavailable(f"mooncake register_buffer returned {code}")
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         codes = self._store.batch_is_exist(list(names))
         if any(code < 0 for code in codes):
-            raise RemoteUnavailable("mooncake batch_is_exist failed")
+            raise PoolUnavailable("mooncake batch_is_exist failed")
         return [code == 1 for code in codes]
 
     def put(self, names, headers, payloads) -> list[bool]:

@@ -1,4 +1,4 @@
-"""Redis / Valkey backend of the remote tier.
+"""Redis / Valkey tier: a storage pool (``kvtier.tiers.pool``).
 
 ``redis://[:password@]host:port/db``, ``rediss://`` for TLS (``ssl_ca_certs``,
 ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` as query parameters, as the
@@ -12,10 +12,24 @@ from __future__ import annotations
 from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
-from kvtier.tiers.remote import RemoteStore
+from kvtier.tiers.base import TierSpec
+from kvtier.tiers.pool import PoolClient, PoolStore, make_pool_index
 
 
-class RedisStore(RemoteStore):
+def validate(url: str) -> None:
+    if not urlparse(url).hostname:
+        raise ValueError("no host")
+
+
+def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
+    return make_pool_index(spec, rank_fingerprints, lambda: RedisClient(spec.location, spec.timeout_s))
+
+
+def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
+    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: RedisClient(spec.location, spec.timeout_s))
+
+
+class RedisClient(PoolClient):
     def __init__(self, url: str, timeout_s: float):
         import redis
 

@@ -68,8 +68,9 @@ class DeviceCopier(ABC):
 
 
 class TransferEngine:
-    def __init__(self, copier: DeviceCopier):
+    def __init__(self, copier: DeviceCopier, on_complete=None):
         self._copier = copier
+        self._on_complete = on_complete  # called on the completing thread, after the result is queued
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
@@ -97,6 +98,8 @@ class TransferEngine:
         with self._done:
             self._in_flight.discard(result.job_id)
             self._done.notify_all()
+        if self._on_complete is not None:
+            self._on_complete()
 
     def poll(self) -> list[TransferResult]:
         for result in self._copier.poll_done():

@@ -9,6 +9,7 @@ finished request's blocks may be freed.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.v1.request import RequestStatus
@@ -53,7 +54,7 @@ class SchedulerSide:
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
-        self.hit_tokens = {"host": 0, "disk": 0, "remote": 0}
+        self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
         self.miss_tokens = 0
         self._stats = StatsTracker()
 
@@ -68,8 +69,8 @@ class SchedulerSide:
         # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
         fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count)
-        logger.info("kvtier: %d host slots, disk %s, layout %s", self.manager.host.num_slots,
-                    self.config.disk_dir or "off", metadata[0].layout)
+        logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
+                    [tier.name for tier in self.manager.tiers] or "none", metadata[0].layout)
 
     @property
     def num_pending_jobs(self) -> int:

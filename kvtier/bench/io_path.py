@@ -1,0 +1,54 @@
+"""kvtier's storage path as a benchmark drives it: a host pool in shared memory and an I/O
+process running one tier's store, fed with jobs as a worker feeds them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from kvtier.io.client import IOProcess
+from kvtier.tiers.base import TierSpec
+from kvtier.transfer.host_buffer import SharedHostMemory
+
+
+class IOPath:
+    def __init__(self, spec: TierSpec, num_slots: int, slot_bytes: int, fingerprint: bytes = b"\x07" * 16):
+        self.memory = SharedHostMemory(num_slots * slot_bytes, pin=False)
+        self.slots = self.memory.tensor.numpy().reshape(num_slots, slot_bytes)
+        self.io = IOProcess(self.memory.fd, [spec], fingerprint, slot_bytes, num_slots)
+        self.tier = spec.name
+
+    def run(self, write: bool, keys: list[bytes], batch: int, in_flight: int = 2) -> float:
+        """Seconds to write (or read) ``keys[i]`` from (into) slot i, ``batch`` blocks per job,
+        at most ``in_flight`` jobs at once (a worker with several requests' jobs under way)."""
+        free = threading.Semaphore(in_flight)
+        done = threading.Semaphore(0)
+        failures: list[str] = []
+
+        def answered(reasons):
+            failures.extend(r for r in reasons if r is not None)
+            free.release()
+            done.release()
+
+        starts = range(0, len(keys), batch)
+        began = time.perf_counter()
+        for start in starts:
+            free.acquire()
+            part = range(start, min(start + batch, len(keys)))
+            self.io.submit(self.tier, write, [keys[i] for i in part], list(part), time.monotonic() + 60, answered)
+        for _ in starts:
+            done.acquire()
+        elapsed = time.perf_counter() - began
+        if failures:
+            raise RuntimeError(f"{len(failures)} blocks failed: {failures[0]}")
+        return elapsed
+
+    def close(self) -> None:
+        self.io.close(10.0)
+        self.memory.close()
+
+
+def fill(slots: np.ndarray, seed: int = 0) -> None:
+    slots[:] = np.random.default_rng(seed).integers(0, 256, slots.shape, dtype=np.uint8)

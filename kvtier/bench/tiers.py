@@ -1,0 +1,134 @@
+"""``kvtier bench tiers``: a hit from each tier inside vLLM, against the floor the bytes allow.
+
+vLLM's one-process layout (the worker in the scheduler's process, as vLLM runs one
+GPU). For each tier below the host pool (disk, shared directory, Redis, Mooncake):
+a writer process serves the prompts once and exits (its writes flush at exit);
+a new reader process, configured with that tier alone, serves them again (every
+block from the tier: its host pool is empty) and then a third time (vLLM's own
+prefix cache hit). Measured in the same run, with the same bytes: the store's raw
+read bandwidth (plain file reads; the raw Redis and Mooncake clients). The floor
+of a tier hit is vLLM's own hit plus the prompt's bytes over that bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.demo.model import make_model
+from kvtier.entry import HEADER_BYTES
+from kvtier.servers import local_mooncake, local_redis
+
+FULL = dict(num_layers=10, hidden_size=640, num_heads=10, num_kv_heads=2, prompts=4, prompt_tokens=3000)
+QUICK = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, prompts=2, prompt_tokens=1000)
+BLOCK = 64
+TIERS = ("disk", "file", "redis", "mooncake")
+
+
+def _run(spec: dict, workdir: Path, name: str) -> dict:
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    with open(workdir / f"{name}.log", "w") as log:
+        code = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)],
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the {name} engine failed; see {workdir / (name + '.log')}")
+    return json.loads(out_path.read_text())
+
+
+@contextmanager
+def _tier(kind: str, workdir: Path):
+    """(kvtier settings with this tier alone below the host pool, a raw reader of its bytes)."""
+    base = {"host_bytes": "1GiB", "disk_dir": None}
+    if kind in ("disk", "file"):
+        root = workdir / f"tier-{kind}"
+        shutil.rmtree(root, ignore_errors=True)
+        yield ({**base, "disk_dir": str(root)} if kind == "disk" else {**base, "remote_url": f"file://{root}"},
+               lambda blocks, size: _raw_file_read(root.parent, blocks, size))
+        return
+    context = local_redis() if kind == "redis" else local_mooncake(storage="4GB")
+    with context as server:
+        yield {**base, "remote_url": server.url}, lambda blocks, size: _raw_pool_read(server.url, blocks, size)
+
+
+def _raw_file_read(near: Path, blocks: int, size: int, repeats: int = 3) -> float:
+    """Seconds to read ``blocks`` files of ``size`` bytes with plain reads (best of ``repeats``)."""
+    payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    out = np.empty(size, np.uint8)
+    with tempfile.TemporaryDirectory(dir=near, prefix="raw-") as root:
+        paths = [os.path.join(root, f"{i:06d}") for i in range(blocks)]
+        for path in paths:
+            with open(path, "wb") as file:
+                file.write(payload)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            for path in paths:
+                with open(path, "rb", buffering=0) as file:
+                    file.readinto(out)
+            times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def _raw_pool_read(url: str, blocks: int, size: int, repeats: int = 3) -> float:
+    from kvtier.bench.pool import _raw_round_trip
+
+    payload = np.random.default_rng(0).integers(0, 256, (blocks, size), dtype=np.uint8)
+    return _raw_round_trip(url, payload, batch=blocks, repeats=repeats)[1]
+
+
+def main(args) -> dict:
+    size = QUICK if args.quick else FULL
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = str(make_model(workdir / f"model-{size['num_layers']}x{size['hidden_size']}",
+                           **{k: size[k] for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")}))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2000) for _ in range(size["prompt_tokens"])] for _ in range(size["prompts"])]
+    full_tokens = size["prompt_tokens"] // BLOCK * BLOCK
+    engine = {"block_size": BLOCK, "max_model_len": 8192, "prefix_caching": True, "max_num_seqs": 4}
+    phase = lambda name: {"name": name, "prompts": prompts, "max_tokens": 1}  # noqa: E731
+    kinds = [k for k in (args.tiers.split(",") if args.tiers else TIERS)]
+    result = {"model": f"{size['num_layers']} layers x {size['hidden_size']} wide, {size['num_kv_heads']} KV heads",
+              "prompts": len(prompts), "prompt_tokens": size["prompt_tokens"], "block_size": BLOCK, "tiers": {}}
+    for kind in kinds:
+        with _tier(kind, workdir) as (extra, raw_read):
+            spec = {"model": model, "engine": engine, "connector": "kvtier", "extra": extra}
+            _run({**spec, "warmup": False, "phases": [phase("store")]}, workdir, f"{kind}-writer")
+            reader = _run({**spec, "phases": [phase("tier hit"), phase("own hit")]}, workdir, f"{kind}-reader")
+            hit, own = reader["phases"]
+            prompt_bytes = hit["kvtier_delta"]["load_bytes"] / len(prompts)
+            blocks = full_tokens // BLOCK
+            raw_seconds = raw_read(blocks, int(prompt_bytes // blocks) + HEADER_BYTES)
+        tier_ttft, own_ttft = statistics.median(hit["ttft_s"]), statistics.median(own["ttft_s"])
+        raw_gbps = blocks * (prompt_bytes / blocks + HEADER_BYTES) / raw_seconds / 1e9
+        floor = own_ttft + prompt_bytes / (raw_gbps * 1e9)
+        served = [out["cached"] / full_tokens for out in hit["outputs"].values()]
+        result["tiers"][kind] = {
+            "hit_ttft_s": tier_ttft, "own_prefix_cache_ttft_s": own_ttft, "prompt_bytes": prompt_bytes,
+            "raw_read_gbps": raw_gbps, "floor_s": floor, "hit_vs_floor": tier_ttft / floor,
+            "blocks_served_fraction": statistics.mean(served),
+            "tier_hit_tokens": hit["kvtier_delta"].get(f"hit_tokens_{kind}", 0),
+        }
+    if not args.json:
+        from kvtier.bench.report import print_table
+        rows = []
+        for kind, r in result["tiers"].items():
+            rows.append((f"{kind}: hit TTFT / floor (own hit {r['own_prefix_cache_ttft_s'] * 1e3:.0f} ms + "
+                         f"{r['prompt_bytes'] / 2**20:.1f} MiB at {r['raw_read_gbps']:.2f} GB/s)",
+                         f"{r['hit_ttft_s'] * 1e3:.0f} / {r['floor_s'] * 1e3:.0f} ms ({r['hit_vs_floor']:.2f}x), "
+                         f"{r['blocks_served_fraction']:.0%} of blocks"))
+        print_table(f"kvtier bench tiers: {result['model']}, {len(prompts)} x {size['prompt_tokens']}-token prompts, "
+                    f"block {BLOCK}, one-process layout", rows)
+    return result

@@ -1,0 +1,194 @@
+"""The worker's handle on its I/O process: start it, send it jobs, take its answers.
+
+``submit`` sends a small message and returns; the answer arrives on this class's
+receiver thread, which calls the job's callback with one reason per block (None:
+done). If the I/O process dies (a store client crashed), every job it held is
+answered as failed at once, which is safe: a dead process writes nothing more
+into the host pool. A new process is started; after ``MAX_RESTARTS`` deaths
+within ``RESTART_WINDOW_S`` the tiers are switched off with one log line, and
+every later job fails at once (the engine recomputes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+from kvtier.io.messages import Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
+from kvtier.tiers.base import TierSpec, unavailable
+
+logger = logging.getLogger("kvtier.io")
+
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+START_TIMEOUT_S = 120.0
+
+Callback = Callable[[list], None]
+
+
+class IOProcess:
+    def __init__(self, memory_fd: int, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
+                 num_slots: int):
+        self._memory_fd = memory_fd
+        self._setup = Setup([dataclasses.asdict(s) for s in specs], rank_fingerprint, slot_bytes, num_slots,
+                            os.getpid(), logging.getLogger("kvtier").getEffectiveLevel())
+        self._job_ids = itertools.count()
+        self._lock = threading.Lock()  # guards _callbacks, _sock and _process; sends are under it too
+        self._callbacks: dict[int, tuple[int, Callback]] = {}  # job id -> (number of blocks, callback)
+        self._deaths: list[float] = []
+        self._closing = False
+        self.disabled = False
+        self.unavailable: dict[str, str] = {}  # tier name -> why its store could not be built
+        self._flushed: Flushed | None = None
+        self._sock: socket.socket | None = None
+        self._process: subprocess.Popen | None = None
+        self._flush_done = threading.Event()
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def ready(self) -> bool:
+        """A process is up and takes jobs."""
+        with self._lock:
+            return self._sock is not None and not self.disabled and not self._closing
+
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.io.process", str(self._memory_fd), str(child.fileno())],
+                pass_fds=(self._memory_fd, child.fileno()), close_fds=True, stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        send(parent, self._setup)
+        parent.settimeout(START_TIMEOUT_S)
+        try:
+            ready = receive(parent)
+        except OSError:
+            ready = None
+        parent.settimeout(None)
+        if not isinstance(ready, Ready):
+            self._process.kill()
+            self._process.wait()
+            parent.close()
+            raise RuntimeError("kvtier: the I/O process did not start")
+        for name, why in ready.errors.items():
+            logger.error("kvtier: tier %s is off in this worker: %s", name, why)
+        self._receiver = threading.Thread(target=self._receive, args=(parent, self._process), daemon=True,
+                                          name="kvtier-io-receiver")
+        with self._lock:  # from here on jobs go to this process
+            self.unavailable = dict(ready.errors)
+            self._sock = parent
+        self._receiver.start()
+
+    def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float,
+               callback: Callback) -> None:
+        """Run one job in the I/O process; ``callback(reasons)`` is called once, on another thread
+        or, if the job cannot be sent, on this one."""
+        with self._lock:
+            job_id = next(self._job_ids)
+            if self.disabled or self._closing:
+                why = unavailable("kvtier I/O is switched off")
+            elif self._sock is None:
+                why = unavailable("kvtier I/O process restarting")
+            else:
+                why = self.unavailable.get(tier)
+                why = None if why is None else unavailable(f"tier {tier} is off: {why}")
+            if why is None:
+                self._callbacks[job_id] = (len(keys), callback)
+                try:
+                    send(self._sock, Job(job_id, tier, write, list(keys), list(slot_ids), deadline))
+                    return
+                except OSError as error:  # the process died; the receiver answers its other jobs
+                    self._callbacks.pop(job_id)
+                    why = unavailable(f"kvtier I/O process unreachable: {error}")
+        callback([why] * len(keys))
+
+    def _receive(self, sock: socket.socket, process: subprocess.Popen) -> None:
+        while True:
+            try:
+                message = receive(sock)
+            except (OSError, ValueError):  # ValueError: a frame that does not decode; the process is broken
+                message = None
+            if message is None:
+                self._on_exit(sock, process)
+                return
+            if isinstance(message, Outcome):
+                with self._lock:
+                    entry = self._callbacks.pop(message.job_id, None)
+                if entry is not None:
+                    entry[1](message.reasons)
+            elif isinstance(message, Flushed):
+                self._flushed = message
+                self._flush_done.set()
+
+    def _on_exit(self, sock: socket.socket, process: subprocess.Popen) -> None:
+        process.kill()  # it may only have closed the socket: make sure it writes nothing more
+        code = process.wait()
+        sock.close()
+        with self._lock:
+            orphans, self._callbacks = self._callbacks, {}
+            self._sock = None  # jobs fail at once until a new process is up
+        self._flush_done.set()
+        why = f"kvtier I/O process exited (code {code})"
+        for blocks, callback in orphans.values():
+            callback([unavailable(why)] * blocks)
+        if self._closing:
+            return
+        logger.error("%s; %d jobs failed (recomputed); starting a new one", why, len(orphans))
+        while self._count_death():
+            try:
+                self._start()
+                return
+            except Exception as error:  # counts as one more death
+                logger.error("kvtier: the I/O process could not be restarted (%s)", error)
+
+    def _count_death(self) -> bool:
+        """Record a death; False (and the tiers switched off, said once) past the limit."""
+        with self._lock:
+            now = time.monotonic()
+            self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+            self.disabled = len(self._deaths) > MAX_RESTARTS
+        if self.disabled:
+            logger.error("kvtier: the I/O process died %d times in %.0f s; disk and pool tiers are off in this "
+                         "worker, blocks are recomputed", len(self._deaths), RESTART_WINDOW_S)
+        return not self.disabled
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        with self._lock:
+            return len(self._callbacks)
+
+    def close(self, flush_s: float) -> tuple[int, int]:
+        """Let queued jobs finish for up to ``flush_s``, then stop the process. Returns
+        (jobs finished meanwhile, jobs dropped); dropped jobs are answered as failed."""
+        with self._lock:
+            self._closing = True
+            process, sock = self._process, self._sock
+            queued = len(self._callbacks)
+            try:
+                if sock is not None:
+                    send(sock, Flush(flush_s))
+            except OSError:
+                pass
+        self._flush_done.wait(flush_s + 1.0)  # the process answers at its deadline, unless it is stuck
+        with self._lock:
+            dropped = len(self._callbacks)
+        if process is not None:
+            try:
+                process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                process.kill()  # stuck in a store call: its writes land whole or not at all
+        self._receiver.join(timeout=10.0)  # answers the jobs the process dropped
+        return queued - dropped, dropped

@@ -1,0 +1,80 @@
+"""What crosses between a worker and its I/O process: small msgpack frames, no pickle.
+
+A frame is a 4-byte little-endian length, then one message. Slots travel as row
+numbers of the shared host pool; the bytes never cross the socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+
+_LENGTH = struct.Struct("<I")
+
+
+class Setup(msgspec.Struct, tag=True):
+    tiers: list[dict]  # TierSpec fields
+    rank_fingerprint: bytes
+    slot_bytes: int
+    num_slots: int
+    parent_pid: int
+    log_level: int
+
+
+class Ready(msgspec.Struct, tag=True):
+    errors: dict[str, str]  # tier name -> why it could not be built
+
+
+class Job(msgspec.Struct, tag=True):
+    job_id: int
+    tier: str
+    write: bool  # True: host slots -> tier; False: tier -> host slots
+    keys: list[bytes]
+    slot_ids: list[int]
+    deadline: float  # time.monotonic() of the engine's host (the same clock in every process)
+
+
+class Outcome(msgspec.Struct, tag=True):
+    job_id: int
+    reasons: list[str | None]  # per block: None done, else why not
+
+
+class Flush(msgspec.Struct, tag=True):
+    timeout_s: float
+
+
+class Flushed(msgspec.Struct, tag=True):
+    finished: int  # jobs that finished while flushing
+    dropped: int  # jobs still queued or running at the deadline
+
+
+Message = Setup | Ready | Job | Outcome | Flush | Flushed
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def send(sock: socket.socket, message) -> None:
+    body = _encoder.encode(message)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(sock: socket.socket):
+    """The next message, or None when the other side has gone (EOF)."""
+    head = _recv_exactly(sock, _LENGTH.size)
+    if head is None:
+        return None
+    body = _recv_exactly(sock, _LENGTH.unpack(head)[0])
+    return None if body is None else _decoder.decode(body)

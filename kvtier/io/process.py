@@ -1,0 +1,134 @@
+"""The I/O process: runs a worker's tier stores with an interpreter of its own.
+
+Started by ``IOProcess`` (``kvtier.io.client``) as ``python -m kvtier.io.process
+<memory fd> <socket fd>``. It maps the worker's host pool from the inherited
+memory file, builds one ``TierStore`` per tier from the ``Setup`` message, and then
+serves jobs: each ``Job`` runs on its tier's threads and is answered by one
+``Outcome``, one reason per block. It imports no torch and no engine.
+
+It never outlives its worker: the socket's end of file (the worker exited, or
+was killed) or a new parent process id ends it at once. Entries are written
+atomically by every store (a file renamed into place, one pool value per
+entry), so a write cut short leaves no entry, never half of one. A ``Flush``
+(clean shutdown) lets queued jobs finish up to its timeout, answers ``Flushed``
+with what was dropped, and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvtier.io.messages import Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
+from kvtier.tiers.base import TierSpec, unavailable
+from kvtier.tiers.registry import make_store
+
+logger = logging.getLogger("kvtier.io")
+
+
+class _Server:
+    def __init__(self, sock: socket.socket, memory_fd: int, setup: Setup):
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes, mmap.MAP_SHARED)
+        host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)
+        self.stores, self.threads, errors = {}, {}, {}
+        for fields in setup.tiers:
+            spec = TierSpec(**fields)
+            try:
+                store = make_store(spec, setup.rank_fingerprint, setup.slot_bytes)
+                store.attach(host)
+            except Exception as error:  # this tier is off; the worker fails its jobs, the others carry on
+                errors[spec.name] = f"{type(error).__name__}: {error}"
+                continue
+            self.stores[spec.name] = store
+            # Threads per tier: a slow pool never queues a disk read behind it.
+            self.threads[spec.name] = ThreadPoolExecutor(max(2, spec.threads), thread_name_prefix=f"io-{spec.name}")
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        send(self.sock, Ready(errors))
+
+    def _answer(self, message) -> None:
+        with self._send_lock:
+            send(self.sock, message)
+
+    def _run(self, job: Job) -> None:
+        store = self.stores[job.tier]
+        try:
+            if job.write:
+                reasons = store.write_from(job.keys, job.slot_ids, job.deadline)
+            else:
+                reasons = store.read_into(job.keys, job.slot_ids, job.deadline)
+        except Exception as error:  # every job gets an answer, whatever the store raises
+            reasons = [f"{type(error).__name__}: {error}"] * len(job.keys)
+        try:
+            self._answer(Outcome(job.job_id, list(reasons)))
+        except OSError:
+            os._exit(0)  # the worker is gone
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def serve(self) -> None:
+        while True:
+            message = receive(self.sock)
+            if message is None:
+                os._exit(0)  # the worker is gone: nothing is left to report to
+            if isinstance(message, Job):
+                if message.tier not in self.stores:
+                    self._answer(Outcome(message.job_id, [unavailable(f"tier {message.tier} is off")] * len(message.keys)))
+                    continue
+                with self._idle:
+                    self._in_flight += 1
+                self.threads[message.tier].submit(self._run, message)
+            elif isinstance(message, Flush):
+                self._flush(message.timeout_s)
+                return
+
+    def _flush(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            queued = self._in_flight
+            while self._in_flight and time.monotonic() < deadline:
+                self._idle.wait(deadline - time.monotonic())
+            dropped = self._in_flight
+        try:
+            self._answer(Flushed(queued - dropped, dropped))
+        except OSError:
+            pass
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the worker's process is gone, even if a forked child still holds the socket."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def main(argv: list[str]) -> None:
+    memory_fd, socket_fd = int(argv[0]), int(argv[1])
+    sock = socket.socket(fileno=socket_fd)
+    setup = receive(sock)
+    if not isinstance(setup, Setup):
+        os._exit(2)
+    threading.Thread(target=_watch_parent, args=(setup.parent_pid,), daemon=True).start()
+    logging.basicConfig(level=setup.log_level, format="%(levelname)s %(asctime)s kvtier-io[%(process)d] %(message)s")
+    server = _Server(sock, memory_fd, setup)
+    os.close(memory_fd)  # the mapping keeps the memory; the descriptor is not needed any more
+    server.serve()
+    sys.stdout.flush()
+    os._exit(0)  # store threads still blocked in a call past the flush deadline are dropped, not joined
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

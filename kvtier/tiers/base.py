@@ -1,0 +1,178 @@
+"""The tier interface, in two halves. Torch-free.
+
+A tier below the host pool (local disk, a shared directory, a storage pool) is
+two objects that never meet:
+
+- a ``TierIndex`` in the scheduler: which blocks the tier holds, pins for loads
+  in flight, room for stores, eviction, counters. It answers from memory, or
+  says "ask again" while an answer is being fetched off the scheduler's thread.
+- a ``TierStore`` in kvtier's I/O process: reads entries into host slots and
+  writes them from host slots, one outcome per block. Framing, checksums and
+  deadlines live here, never on the engine's interpreter.
+
+Both are built from a ``TierSpec`` by the tier's module (``kvtier.tiers.registry``
+maps a configuration to modules). The manager and the worker walk the ordered
+list of tiers and name none of them.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+UNAVAILABLE = "unavailable: "
+
+
+def unavailable(why: str) -> str:
+    """A read's reason when the tier could not be asked (down, I/O process gone): the entry
+    itself may be fine, so it is not dropped or shunned, unlike a corrupt or foreign one."""
+    return UNAVAILABLE + why
+
+
+def is_bad_entry(reason: str) -> bool:
+    return not reason.startswith(UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """What both halves of one tier are built from. Plain data: it crosses to the I/O process."""
+
+    name: str  # the tier's name in plans, reports, metrics and logs: "disk", "file", "redis", "mooncake"
+    module: str  # the module that builds its halves (``make_index``, ``make_store``)
+    location: str  # a directory or a URL
+    capacity_bytes: int | None = None  # None: unbounded (the store's own limits apply)
+    timeout_s: float = 2.0
+    retry_s: float = 10.0
+    threads: int = 2
+    options: dict = field(default_factory=dict)
+
+
+class TierIndex(ABC):
+    """The scheduler's half. Calls come from one thread (the scheduler's)."""
+
+    name: str
+    # False: the index answers from its own list, at once, and a plan asks it again (it may have
+    # evicted since the lookup). True: answers come from the tier itself, off the scheduler's
+    # thread; a plan uses the answer its request's lookup got.
+    asks_the_tier = False
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes], token: str | None) -> list[bool] | None:
+        """Which of ``keys`` the tier holds, one flag per key; None: ask again (same ``token``).
+
+        Per key rather than a count: a loadable prefix may mix tiers (block 0 on disk,
+        block 1 only in the pool), and the manager walks it block by block."""
+
+    def prepare_load(self, keys: Sequence[bytes]) -> None:
+        """Keep these entries loadable until ``complete_load`` (pin them against eviction)."""
+
+    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes]) -> None:
+        """The loads of ``keys`` are over; ``bad_keys`` were found corrupt, foreign or gone."""
+
+    def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Reserve room; returns the keys to write (those the tier does not hold, that fit)."""
+        return list(keys)
+
+    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """The writes of ``written`` landed; those of ``failed`` did not."""
+
+    def forget(self, token: str) -> None:
+        """A request went away: drop what its lookups remembered."""
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+class TierStore(ABC):
+    """The I/O process's half. Calls come from the I/O process's threads, concurrently.
+
+    ``attach`` hands it the host pool, mapped in the I/O process: an array of
+    ``num_slots`` rows of ``slot_bytes``. Jobs name slots by row."""
+
+    host = None
+
+    def attach(self, host_slots) -> None:
+        self.host = host_slots
+
+    @abstractmethod
+    def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float) -> list[str | None]:
+        """Read each key's entry into its slot; per block None (the slot holds the block) or why it is a miss."""
+
+    @abstractmethod
+    def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float) -> list[str | None]:
+        """Write each slot as its key's entry; per block None (stored) or why not."""
+
+    def close(self) -> None:
+        return None
+
+
+class ExistenceIndex(TierIndex):
+    """An index for a tier that other instances write too (a shared directory, a storage
+    pool): it holds no list of its own, it asks the tier, off the scheduler's thread.
+
+    ``lookup`` returns the answer once it has arrived, None while it is pending, and
+    all-False once ``timeout_s`` passed without one: a tier that does not answer is a
+    miss, never a wait. Entries that failed to load are misses for a while, or the
+    engine would ask for the same broken entry again and again.
+    """
+
+    asks_the_tier = True
+
+    def __init__(self, name: str, exists: Callable[[list[bytes]], list[bool] | None], timeout_s: float,
+                 failed_ttl_s: float = 30.0, threads: int = 2):
+        self.name = name
+        self._exists = exists
+        self.timeout_s = timeout_s
+        self._failed_ttl_s = failed_ttl_s
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-lookup")
+        self._pending: dict[str, tuple[tuple[bytes, ...], float, Future]] = {}
+        self._failed: dict[bytes, float] = {}  # key -> until when it is a miss
+        self.num_bad_entries = 0
+
+    def lookup(self, keys, token):
+        keys = tuple(keys)
+        if not keys:
+            return []
+        if token is None:
+            return [False] * len(keys)  # no token, no later call to answer: the tier is skipped
+        entry = self._pending.get(token)
+        if entry is None or entry[0] != keys:
+            self._pending[token] = (keys, time.monotonic(), self._threads.submit(self._exists, list(keys)))
+            return None
+        _, began, future = entry
+        if not future.done():
+            if time.monotonic() - began <= self.timeout_s:
+                return None
+            del self._pending[token]
+            return [False] * len(keys)
+        del self._pending[token]
+        try:
+            found = future.result()
+        except Exception:  # a failed existence call is a miss; the tier's own breaker logs it
+            found = None
+        if found is None:
+            return [False] * len(keys)
+        now = time.monotonic()
+        return [bool(hit) and self._failed.get(key, 0.0) <= now for key, hit in zip(keys, found)]
+
+    def complete_load(self, keys, bad_keys):
+        until = time.monotonic() + self._failed_ttl_s
+        for key in bad_keys:
+            self._failed[key] = until
+        self.num_bad_entries += len(bad_keys)
+        if len(self._failed) > 100_000:
+            now = time.monotonic()
+            self._failed = {k: t for k, t in self._failed.items() if t > now}
+
+    def forget(self, token):
+        self._pending.pop(token, None)
+
+    def close(self):
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,202 @@
+"""What the storage-pool tiers (Mooncake Store, Redis/Valkey) share. Torch-free.
+
+A storage pool is a tier that many instances reach. Its module (``mooncake``,
+``redis``) provides a ``PoolClient``: batched existence checks, puts and gets of
+whole entries (the ``kvtier.entry`` header, then the slot's bytes). This module
+turns a client into the tier's two halves:
+
+- the index (scheduler): existence asked off the scheduler's thread through a
+  client of its own (``ExistenceIndex``);
+- the store (I/O process): ``PoolStore`` frames and checks entries, reading into
+  and writing from the host pool directly where the client allows (Mooncake
+  registers the mapping and moves bytes with no copy).
+
+Keys in the pool are ``kvtier/<rank fingerprint hex>/<key hex>``: two models, two
+layouts or two ranks never read each other's blocks. A pool that is down or slow
+never stalls anything: each client sits behind a ``GuardedClient``, whose failed or
+too-slow call marks the pool down for ``remote_retry_s``, during which calls are
+misses at once; the next call after that reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, unavailable
+
+logger = logging.getLogger("kvtier.pool")
+
+
+def pool_key(rank_fingerprint: bytes, key: bytes) -> str:
+    return f"kvtier/{rank_fingerprint.hex()}/{key.hex()}"
+
+
+class PoolUnavailable(Exception):
+    """The pool did not answer in time, or refused the call."""
+
+
+class PoolClient(ABC):
+    """One backend's client. Calls may raise; ``GuardedClient`` turns that into misses."""
+
+    @abstractmethod
+    def exists(self, names: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def put(self, names: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store header + payload under each name; True where it is stored."""
+
+    @abstractmethod
+    def get_into(self, names: Sequence[str], headers: Sequence[memoryview],
+                 payloads: Sequence[memoryview]) -> list[bool]:
+        """Read each value into its header and payload buffers; False where it
+        is absent or not exactly that long."""
+
+    def register(self, address: int, num_bytes: int) -> None:
+        """Offer host memory for zero-copy transfers (a no-op where unsupported)."""
+
+    def close(self) -> None:
+        return None
+
+
+class GuardedClient:
+    """A pool client behind a circuit breaker. Thread-safe."""
+
+    def __init__(self, url: str, connect: Callable[[], PoolClient], timeout_s: float, retry_s: float):
+        self.url = url
+        self._connect = connect
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._client: PoolClient | None = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []
+        self.num_failures = 0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _get(self) -> PoolClient:
+        with self._lock:
+            if not self.available:
+                raise PoolUnavailable(f"marked down for another {self._down_until - time.monotonic():.1f} s")
+            if self._client is None:
+                self._client = self._connect()
+                for address, num_bytes in self._registered:
+                    self._client.register(address, num_bytes)
+            return self._client
+
+    def register(self, address: int, num_bytes: int) -> None:
+        self._registered.append((address, num_bytes))
+        if self._client is not None:
+            self._client.register(address, num_bytes)
+
+    def _failed(self, error: BaseException) -> None:
+        with self._lock:
+            self.num_failures += 1
+            self._down_until = time.monotonic() + self.retry_s
+            client, self._client = self._client, None  # reconnect after the pause
+        logger.warning("kvtier: storage pool %s failed (%s); using the other tiers for %.0f s", self.url, error,
+                       self.retry_s)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken client may fail too; it is dropped either way
+                pass
+
+    def call(self, method: str, *args) -> list | None:
+        """``client.<method>(*args)``, or None if the pool is down or the call failed."""
+        try:
+            client = self._get()
+            began = time.monotonic()
+            result = getattr(client, method)(*args)
+            elapsed = time.monotonic() - began
+            if elapsed > self.timeout_s:  # answered, but too slowly to keep using for now
+                self._failed(PoolUnavailable(f"{method} took {elapsed:.2f} s"))
+            return result
+        except PoolUnavailable as error:
+            if self.available:
+                self._failed(error)
+            return None
+        except Exception as error:  # any client error is a failed call: fall back, never crash
+            self._failed(error)
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
+                    connect: Callable[[], PoolClient]) -> ExistenceIndex:
+    guarded = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
+    ranks = list(rank_fingerprints)
+
+    def exists(keys: list[bytes]) -> list[bool] | None:
+        if not guarded.available:
+            return None
+        answer = guarded.call("exists", [pool_key(fp, key) for key in keys for fp in ranks])
+        if answer is None:
+            return None
+        # A block counts as stored only if every rank stored its shard.
+        return [all(answer[i * len(ranks):(i + 1) * len(ranks)]) for i in range(len(keys))]
+
+    index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0))
+    index.client = guarded  # closed with the index
+    close = index.close
+
+    def close_both():
+        close()
+        guarded.close()
+
+    index.close = close_both
+    return index
+
+
+class PoolStore(TierStore):
+    """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
+
+    def __init__(self, spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int, connect: Callable[[], PoolClient]):
+        self.client = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
+        self.rank_fingerprint = rank_fingerprint
+        self.slot_bytes = slot_bytes
+        self._headers: np.ndarray | None = None
+
+    def attach(self, host_slots) -> None:
+        super().attach(host_slots)
+        # One header row per slot: a job's headers live beside its slots, and both are registered.
+        self._headers = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
+        self.client.register(host_slots.ctypes.data, host_slots.nbytes)
+        self.client.register(self._headers.ctypes.data, self._headers.nbytes)
+
+    def read_into(self, keys, slot_ids, deadline) -> list[str | None]:
+        names = [pool_key(self.rank_fingerprint, key) for key in keys]
+        found = self.client.call("get_into", names, [memoryview(self._headers[s]) for s in slot_ids],
+                                 [memoryview(self.host[s]) for s in slot_ids])
+        if found is None:
+            return [unavailable("storage pool down or failing")] * len(keys)
+        return [check_entry(bytes(self._headers[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes)
+                if hit else "missing or wrong size in the storage pool"
+                for key, slot, hit in zip(keys, slot_ids, found)]
+
+    def write_from(self, keys, slot_ids, deadline) -> list[str | None]:
+        for key, slot in zip(keys, slot_ids):
+            self._headers[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot]), np.uint8)
+        stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],
+                                  [memoryview(self._headers[s]) for s in slot_ids],
+                                  [memoryview(self.host[s]) for s in slot_ids])
+        if stored is None:
+            return [unavailable("storage pool down or failing")] * len(keys)
+        return [None if ok else "refused by the storage pool" for ok in stored]
+
+    def close(self) -> None:
+        self.client.close()

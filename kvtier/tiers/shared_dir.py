@@ -1,0 +1,138 @@
+"""Shared-filesystem tier (``file:///path``): a directory that several instances mount.
+
+NFS, a Kubernetes volume, a FUSE mount of a distributed filesystem: any directory
+that every instance sees. Entries are the disk tier's, in the same layout
+(``<dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, header then payload),
+written atomically (a temporary file named by host, process and thread, renamed
+into place), so a reader sees a whole entry or none, and checks it before use.
+
+No instance owns the directory, so the index keeps no list: existence is asked of
+the filesystem off the scheduler's thread (``ExistenceIndex``). ``?max_bytes=100GiB``
+bounds what this instance's I/O process keeps there: past it, the oldest entries
+(by modification time; a read refreshes it) are deleted down to 90 %. Each instance
+enforces the bound on what it sees, so the directory stays near it, not under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+from urllib.parse import parse_qs, urlparse
+
+from kvtier.entry import HEADER_BYTES
+from kvtier.tiers.base import ExistenceIndex, TierSpec
+from kvtier.tiers.disk import DiskStore, entry_path
+from kvtier.units import parse_bytes
+
+logger = logging.getLogger("kvtier.shared_dir")
+
+
+def _directory_and_bound(url: str) -> tuple[str, int | None]:
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"a file:// URL names a local mount (file:///path), not host {parsed.netloc!r}")
+    if not parsed.path.startswith("/"):
+        raise ValueError("a file:// URL needs an absolute path: file:///mnt/kv")
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    unknown = set(query) - {"max_bytes"}
+    if unknown:
+        raise ValueError(f"unknown file:// option(s) {sorted(unknown)}; known: max_bytes")
+    bound = parse_bytes(query["max_bytes"]) if "max_bytes" in query else None
+    if bound is not None and bound <= 0:
+        raise ValueError("max_bytes must be > 0")
+    return parsed.path, bound
+
+
+def validate(url: str) -> None:
+    _directory_and_bound(url)
+
+
+def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
+    root = Path(_directory_and_bound(spec.location)[0])
+    size = HEADER_BYTES + slot_bytes
+
+    def exists(keys: list[bytes]) -> list[bool]:
+        found = []
+        for key in keys:  # a block counts only if every rank's entry is there, whole
+            found.append(all(_size(entry_path(root, fp, key)) == size for fp in rank_fingerprints))
+        return found
+
+    return ExistenceIndex(spec.name, exists, spec.timeout_s)
+
+
+def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "SharedDirStore":
+    root, bound = _directory_and_bound(spec.location)
+    return SharedDirStore(root, rank_fingerprint, slot_bytes, spec.threads, bound)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+class SharedDirStore(DiskStore):
+    def __init__(self, root: str, rank_fingerprint: bytes, slot_bytes: int, threads: int, max_bytes: int | None):
+        super().__init__(root, rank_fingerprint, slot_bytes, threads)
+        self.max_bytes = max_bytes
+        self._entry_bytes = HEADER_BYTES + slot_bytes
+        self._used = 0
+        self._used_lock = threading.Lock()
+        if max_bytes is not None:
+            self._used = self._entry_bytes * sum(1 for _ in self._entries())
+
+    def _entries(self):
+        base = self.root / self.rank_fingerprint.hex()
+        for sub in os.scandir(base):
+            if sub.is_dir(follow_symlinks=False):
+                yield from (e for e in os.scandir(sub.path) if not e.name.endswith(".tmp"))
+
+    def read(self, key: bytes, out: memoryview) -> str | None:
+        why = super().read(key, out)
+        if why is None and self.max_bytes is not None:
+            try:
+                os.utime(self.path(key))  # recently used: the last to be deleted by a size bound
+            except OSError:
+                pass
+        return why
+
+    def write(self, key: bytes, payload: memoryview) -> None:
+        if _size(self.path(key)) == self._entry_bytes:
+            return  # another instance stored this block already: entries of one key are identical
+        super().write(key, payload)
+        if self.max_bytes is not None:
+            with self._used_lock:
+                self._used += self._entry_bytes
+                over = self._used > self.max_bytes
+            if over:
+                self._shrink()
+
+    def _shrink(self) -> None:
+        """Delete the oldest entries until 90 % of ``max_bytes`` is used."""
+        with self._used_lock:
+            entries = []
+            for entry in self._entries():
+                try:
+                    entries.append((entry.stat(follow_symlinks=False).st_mtime, entry.path))
+                except OSError:
+                    continue
+            entries.sort()
+            used = len(entries) * self._entry_bytes
+            target = int(0.9 * self.max_bytes)
+            removed = 0
+            for _, path in entries:
+                if used <= target:
+                    break
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                used -= self._entry_bytes
+                removed += 1
+            self._used = used
+        logger.info("kvtier: shared directory %s over %d bytes: %d oldest entries deleted", self.root,
+                    self.max_bytes, removed)

@@ -1,0 +1,121 @@
+"""The worker's book of jobs in flight, shared by its load and store paths.
+
+Jobs are submitted on the engine's thread and advanced on kvtier's own threads
+(the I/O receiver, the progress thread), so every table here is read and written
+under one lock. A finished job's report waits in ``finished`` until the engine
+takes it (``take_finished``); nothing waits for the engine to advance a job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.plans import JobReport, LoadJob, StoreJob
+from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
+
+
+def merged(first: TransferResult | None, second: TransferResult) -> TransferResult:
+    """One result for a job made of several transfers (its layers)."""
+    if first is None:
+        return second
+    return TransferResult(second.job_id, first.success and second.success, first.num_bytes + second.num_bytes,
+                          max(first.seconds, second.seconds), first.error or second.error)
+
+
+@dataclass
+class Load:
+    job: LoadJob
+    report: JobReport
+    deadline: float
+    fills_left: int  # I/O jobs (one per tier) not answered yet
+    usable: list[tuple[int, int, bytes]] = field(default_factory=list)  # (block, slot, key) now in host slots
+    abandoned: bool = False
+    fills_settled: threading.Event = field(default_factory=threading.Event)  # every fill answered or abandoned
+    transfers_left: int = 1  # layer-wise: one transfer per layer
+    layer_transfer_ids: dict[int, int] = field(default_factory=dict)
+    copy_result: TransferResult | None = None
+
+
+@dataclass
+class Store:
+    job: StoreJob
+    report: JobReport
+    device_reads_done: bool = False  # the device -> host copy finished: the blocks may be reused
+    writes_left: int = 0
+    transfers_left: int = 1  # layer-wise: one transfer per layer
+    copy_result: TransferResult | None = None
+    layer_transfers: list[TransferJob | None] | None = None  # layer-wise: each layer's, until it is sent
+
+
+class JobBook:
+    def __init__(self, transfers: TransferEngine):
+        self.transfers = transfers
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a store finishes
+        self.loads: dict[int, Load] = {}
+        self.stores: dict[int, Store] = {}
+        self._owner_of_transfer: dict[int, tuple[bool, int]] = {}  # transfer id -> (is_load, job id)
+        self._transfer_ids = itertools.count()
+        self._finished: list[JobReport] = []
+        self._released: list[int] = []
+
+    def registered_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
+                            tensor_indices: tuple[int, ...] | None = None) -> TransferJob:
+        with self.lock:  # registered before it is submitted, so a fast completion always finds its job
+            transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
+                                   next(self._transfer_ids), tensor_indices)
+            self._owner_of_transfer[transfer.job_id] = owner
+        return transfer
+
+    def submit_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
+                        tensor_indices: tuple[int, ...] | None = None) -> int:
+        transfer = self.registered_transfer(block_ids, slot_ids, to_host, owner, tensor_indices)
+        self.transfers.submit(transfer)
+        return transfer.job_id
+
+    def store_transfers(self, store_job_ids) -> set[int]:
+        wanted = set(store_job_ids)
+        with self.lock:
+            return {t for t, (is_load, j) in self._owner_of_transfer.items() if not is_load and j in wanted}
+
+    def copied(self) -> list[tuple[Load | Store, TransferResult]]:
+        """Jobs whose every transfer has finished since the last call, with their merged result."""
+        done = []
+        for result in self.transfers.poll():
+            with self.lock:
+                is_load, job_id = self._owner_of_transfer.pop(result.job_id)
+                job = self.loads[job_id] if is_load else self.stores[job_id]
+                job.copy_result = merged(job.copy_result, result)
+                job.transfers_left -= 1
+                if job.transfers_left:
+                    continue  # layer-wise: more layers to come
+                if is_load:
+                    del self.loads[job_id]
+            done.append((job, job.copy_result))
+        return done
+
+    def finish(self, report: JobReport) -> None:  # under the lock
+        self._finished.append(report)
+        self.changed.notify_all()
+
+    def release(self, slot_ids) -> None:  # under the lock
+        self._released += slot_ids
+
+    def take_finished(self) -> list[JobReport]:
+        with self.lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def take_released(self) -> list[int]:
+        with self.lock:
+            released, self._released = self._released, []
+        return released
+
+    @property
+    def num_jobs(self) -> int:
+        with self.lock:
+            return len(self.loads) + len(self.stores)

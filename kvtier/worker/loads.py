@@ -1,0 +1,153 @@
+"""A worker's loads: tier -> host slots (in the I/O process) -> device blocks.
+
+A load asks the I/O process to read its ``fill`` blocks into their reserved host
+slots, one I/O job per tier; when every tier has answered, one transfer copies
+all usable blocks host -> device, and the job is reported. A fill not answered
+within ``load_timeout_s`` abandons the load: it is reported failed at once (the
+engine recomputes), and its slots are reported released only when the late
+reads have returned, so nothing reuses a slot that a read may still write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+
+from kvtier.plans import JobReport, LoadJob
+from kvtier.tiers.base import is_bad_entry, unavailable
+from kvtier.transfer.engine import TransferResult
+from kvtier.worker.jobs import JobBook, Load
+
+logger = logging.getLogger("kvtier.worker")
+
+
+class LoadPath:
+    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, verifier=None, replicated=None):
+        self.book = book
+        self.io = io  # IOProcess, or None where this worker reads no tier
+        self.load_timeout_s = load_timeout_s
+        self.num_layers = num_layers
+        self.verifier = verifier
+        self.replicated = replicated
+
+    def submit(self, job: LoadJob) -> None:
+        if self.replicated is not None and not self.replicated.is_source:
+            self.replicated.receive(job)  # the blocks come from rank 0's broadcast, never from the tiers
+            return
+        by_tier: dict[str, list[int]] = {}
+        for i, tier in enumerate(job.fill_from):
+            by_tier.setdefault(tier, []).append(i)
+        load = self._new(job, fills=len(by_tier))
+        if self.replicated is not None:  # queued now: job order on every rank
+            self.replicated.send(job, load.fills_settled.wait, partial(self._usable_blocks, load))
+        if not by_tier:
+            load.fills_settled.set()
+            self._submit_copy(load)
+            return
+        for tier, indices in by_tier.items():
+            blocks = [job.fill_block_ids[i] for i in indices]
+            slots = [job.fill_slot_ids[i] for i in indices]
+            keys = [job.fill_keys[i] for i in indices]
+            filled = partial(self._filled, load, blocks, slots, keys)
+            if self.io is None:
+                filled([unavailable("no I/O process")] * len(keys))
+            else:
+                self.io.submit(tier, False, keys, slots, load.deadline, filled)
+
+    def submit_layers(self, job: LoadJob) -> None:
+        """Layer-wise load of host-resident blocks: every layer's copy is submitted now,
+        in layer order, so that layer i can be waited for alone (``wait_for_layer``)."""
+        if job.fill_keys:
+            raise ValueError(f"load job {job.job_id}: a layer-wise load reads only host slots")
+        load = self._new(job, fills=0)
+        load.transfers_left = self.num_layers
+        blocks, slots = self._usable_ids(load)
+        for layer in range(self.num_layers):
+            load.layer_transfer_ids[layer] = self.book.submit_transfer(blocks, slots, False, (True, job.job_id),
+                                                                       (layer,))
+
+    def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float) -> bool:
+        """Block until ``layer`` of these layer-wise loads is in the device cache."""
+        with self.book.lock:
+            wanted = {self.book.loads[j].layer_transfer_ids[layer] for j in load_job_ids
+                      if j in self.book.loads and layer in self.book.loads[j].layer_transfer_ids}
+        if self.book.transfers.order_compute_after(wanted):
+            return True  # CUDA: the compute stream waits for the layer's copy; the host goes on
+        return self.book.transfers.wait(wanted, timeout)
+
+    def _new(self, job: LoadJob, fills: int) -> Load:
+        report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
+        load = Load(job, report, time.monotonic() + self.load_timeout_s, fills,
+                    list(zip(job.ready_block_ids, job.ready_slot_ids, job.ready_keys)))
+        with self.book.lock:
+            self.book.loads[job.job_id] = load
+        return load
+
+    @staticmethod
+    def _usable_ids(load: Load) -> tuple[np.ndarray, np.ndarray]:
+        return (np.array([u[0] for u in load.usable], np.int64), np.array([u[1] for u in load.usable], np.int64))
+
+    def _usable_blocks(self, load: Load) -> set[int]:
+        with self.book.lock:
+            usable = load.usable if not load.abandoned else load.usable[:len(load.job.ready_block_ids)]
+            return {block for block, _, _ in usable}
+
+    def _filled(self, load: Load, blocks: list[int], slots: list[int], keys: list[bytes], reasons: list) -> None:
+        """The I/O process answered one tier's reads (on its receiver thread)."""
+        if self.verifier is not None:
+            self.verifier.received([s for s, why in zip(slots, reasons) if why is None])
+        with self.book.lock:
+            for block, slot, key, why in zip(blocks, slots, keys, reasons):
+                if why is None:
+                    load.usable.append((block, slot, key))
+                    continue
+                logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
+                load.report.failed_block_ids.append(block)
+                if is_bad_entry(why):  # not a tier that could not be asked: the entry itself is bad
+                    load.report.bad_keys.append(key)
+            load.fills_left -= 1
+            last, abandoned = load.fills_left == 0, load.abandoned
+            if last:
+                load.fills_settled.set()
+            if last and abandoned:  # the late reads are over: the held slots may now be reused
+                self.book.release(load.job.fill_slot_ids)
+        if last and not abandoned:  # every fill has landed in its slot: the slots may now be read
+            self._submit_copy(load)
+
+    def _submit_copy(self, load: Load) -> None:
+        blocks, slots = self._usable_ids(load)
+        self.book.submit_transfer(blocks, slots, False, (True, load.job.job_id))
+
+    def copied(self, load: Load, result: TransferResult) -> None:
+        """On the progress thread: the host -> device copy is over; report."""
+        report = load.report
+        report.num_bytes, report.seconds = result.num_bytes, result.seconds
+        if not result.success:
+            logger.warning("kvtier: load job %d failed (%s); its blocks will be recomputed", load.job.job_id,
+                           result.error)
+            report.failed_block_ids += [block for block, _, _ in load.usable]
+        elif self.verifier is not None and load.usable:
+            report.failed_block_ids += self.verifier.check(*zip(*load.usable))
+        report.success = not report.failed_block_ids
+        with self.book.lock:
+            self.book.finish(report)
+
+    def abandon_overdue(self, now: float) -> None:
+        with self.book.lock:
+            for job_id, load in list(self.book.loads.items()):
+                if load.fills_left == 0 or now < load.deadline:
+                    continue
+                load.abandoned = True
+                load.fills_settled.set()  # a broadcast waiting on these fills sends without them
+                logger.warning("kvtier: load job %d not filled in %.1f s; its blocks will be recomputed", job_id,
+                               self.load_timeout_s)
+                del self.book.loads[job_id]
+                job, report = load.job, load.report
+                report.failed_block_ids = job.ready_block_ids + job.fill_block_ids + job.missing_block_ids
+                report.held_slot_ids = list(job.fill_slot_ids)
+                report.success = False
+                self.book.finish(report)

@@ -1,0 +1,150 @@
+"""A worker's stores: device blocks -> host slots -> every tier (in the I/O process).
+
+A store copies device -> host; from then on the device blocks may be reused. The
+moment that copy is done (on the progress thread, whether or not the engine
+steps) its writes go to the I/O process, one I/O job per tier, and when every
+tier has answered the job is reported. A layer-wise store makes one transfer per
+layer before the forward; each is sent once, right after its layer's attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+
+from kvtier.plans import JobReport, StoreJob
+from kvtier.tiers.base import unavailable
+from kvtier.transfer.engine import TransferResult
+from kvtier.worker.jobs import JobBook, Store
+
+logger = logging.getLogger("kvtier.worker")
+
+
+class StorePath:
+    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, is_source: bool, verifier=None):
+        self.book = book
+        self.io = io  # IOProcess, or None where this worker writes no tier
+        self.write_timeout_s = write_timeout_s
+        self.num_layers = num_layers
+        self.is_source = is_source  # replicated KV: only rank 0 stores
+        self.verifier = verifier
+
+    def submit(self, job: StoreJob) -> None:
+        if not self.is_source:  # replicated KV: rank 0 stores it once for every rank
+            with self.book.lock:
+                if job.job_id not in self.book.stores:
+                    self.book.finish(JobReport(job.job_id, is_load=False, success=True))
+            return
+        with self.book.lock:
+            prepared = self.book.stores.get(job.job_id)
+        if prepared is not None and prepared.layer_transfers is not None:  # layer-wise: the layers not sent yet
+            for layer in range(self.num_layers):
+                self.submit_layer(job, layer)
+            return
+        with self.book.lock:
+            self.book.stores[job.job_id] = Store(job, JobReport(job.job_id, is_load=False, success=True))
+        self.book.submit_transfer(job.block_ids, job.slot_ids, True, (False, job.job_id))
+
+    def submit_layer(self, job: StoreJob, layer: int) -> None:
+        """Copy one layer of the job's blocks, once that layer's KV is written (called right
+        after the layer's attention). ``submit`` of the same job sends the layers not sent yet."""
+        if not self.is_source:
+            self.submit(job)  # replicated KV: nothing to copy here
+            return
+        store = self.prepare_layers(job)
+        with self.book.lock:
+            transfer, store.layer_transfers[layer] = store.layer_transfers[layer], None
+        if transfer is not None:  # each layer is sent once, however often it is asked for
+            self.book.transfers.submit(transfer)
+
+    def prepare_layers(self, job: StoreJob) -> Store | None:
+        """Make every layer's transfer before the forward, so that ``submit_layer``, on the
+        compute thread after each layer, only enqueues."""
+        if not self.is_source:  # other ranks of replicated KV copy nothing
+            return None
+        with self.book.lock:
+            store = self.book.stores.get(job.job_id)
+        if store is None:
+            block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+            transfers = [self.book.registered_transfer(block_ids, slot_ids, True, (False, job.job_id), (layer,))
+                         for layer in range(self.num_layers)]
+            store = Store(job, JobReport(job.job_id, is_load=False, success=True), transfers_left=self.num_layers,
+                          layer_transfers=transfers)
+            with self.book.lock:
+                self.book.stores[job.job_id] = store
+        return store
+
+    def copied(self, store: Store, result: TransferResult) -> None:
+        """On the progress thread: the device -> host copy is over; write through at once."""
+        report, job = store.report, store.job
+        report.num_bytes, report.seconds = result.num_bytes, result.seconds
+        writes = job.writes if result.success else {}
+        if not result.success:
+            logger.warning("kvtier: store job %d failed (%s)", job.job_id, result.error)
+            report.success = False
+            report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
+        elif self.verifier is not None:
+            self.verifier.received(job.slot_ids)
+        with self.book.lock:
+            store.device_reads_done = True  # from here on the device blocks may be reused
+            store.writes_left = len(writes)
+            if not writes:
+                self._finish(store)
+        deadline = time.monotonic() + self.write_timeout_s
+        for tier, keys in writes.items():
+            written = partial(self._written, store, tier, keys)
+            if self.io is None:
+                written([unavailable("no I/O process")] * len(keys))
+            else:
+                self.io.submit(tier, True, keys, job.slots_of(keys), deadline, written)
+
+    def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
+        """The I/O process answered one tier's writes (on its receiver thread)."""
+        failed = [key for key, why in zip(keys, reasons) if why is not None]
+        if failed:
+            logger.warning("kvtier: %d of %d writes to tier %s failed (%s)", len(failed), len(keys), tier,
+                           next(why for why in reasons if why is not None))
+        with self.book.lock:
+            if failed:
+                store.report.failed_writes[tier] = failed
+            store.writes_left -= 1
+            if store.writes_left == 0:
+                self._finish(store)
+
+    def _finish(self, store: Store) -> None:  # under the lock
+        del self.book.stores[store.job.job_id]
+        self.book.finish(store.report)
+
+    def device_reads_done(self, store_job_id: int) -> bool:
+        with self.book.lock:
+            store = self.book.stores.get(store_job_id)
+            return store is None or store.device_reads_done
+
+    def wait_for_device_reads(self, store_job_ids: Sequence[int], timeout: float) -> bool:
+        """Block until the stores' device -> host copies are done (before their blocks are reused)."""
+        wanted = self.book.store_transfers(store_job_ids)
+        if self.book.transfers.order_compute_after(wanted):
+            # CUDA: what the engine queues next (the writes that reuse these blocks, and loads,
+            # whose streams wait for the compute stream) runs after the copies; no host wait.
+            return True
+        return self.book.transfers.wait(wanted, timeout)
+
+    def wait_for_stores(self, store_job_ids: Sequence[int], timeout: float) -> bool:
+        """Block until the stores are complete everywhere (every tier written), or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self.book.changed:
+            while any(j in self.book.stores for j in store_job_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.book.changed.wait(left)
+            return True
+
+    def copies_pending(self) -> bool:
+        """A store whose device -> host copy was sent and has not been handed to the tiers yet."""
+        with self.book.lock:
+            return any(s.transfers_left and not any(s.layer_transfers or ()) for s in self.book.stores.values())

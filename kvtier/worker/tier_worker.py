@@ -1,0 +1,210 @@
+"""``TierWorker``: one per worker (tensor-parallel rank); the engine's side of kvtier's I/O.
+
+It owns the host pool's memory (shared with its I/O process, which does every
+storage read and write) and the transfer engine (device <-> host slots), and it
+builds the two job paths on one book. Completions advance on kvtier's own
+threads: the I/O process's answers on its receiver thread, finished copies and
+overdue loads on a progress thread here, so a write-through starts the moment
+its copy is done, step or no step. ``close`` (also run at interpreter exit)
+drains the writes under way, bounded by ``shutdown_flush_s``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from typing import Sequence
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.io.client import IOProcess
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout, TensorInfo, detect_layout
+from kvtier.manager import num_host_slots
+from kvtier.plans import JobReport, LoadJob, StoreJob
+from kvtier.tiers.registry import tier_specs
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.host_buffer import SharedHostMemory
+from kvtier.worker.jobs import JobBook, Load
+from kvtier.worker.loads import LoadPath
+from kvtier.worker.stores import StorePath
+
+logger = logging.getLogger("kvtier.worker")
+
+
+def tensor_info(tensor: torch.Tensor) -> TensorInfo:
+    return TensorInfo(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), tensor.data_ptr())
+
+
+class TierWorker:
+    def __init__(self, config: KVTierConfig, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
+                 namespace: Namespace, tp_rank: int = 0, layout_kind: str | None = None, broadcast_group=None):
+        self.config = config
+        self.tensors = list(tensors)  # kept alive: copies use their addresses
+        self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
+                                              layout_kind)
+        device_layout = f"{self.layout.kind}{list(self.layout.block_shape)}{self.tensors[0].dtype}"
+        # Replicated KV (save_only_first_rank): every rank's blocks are rank 0's, stored once, by rank 0.
+        replicated = config.save_only_first_rank and broadcast_group is not None
+        self.is_source = not replicated or tp_rank == 0
+        self.rank_fingerprint = namespace.for_rank(0 if replicated else tp_rank, device_layout).fingerprint()
+        self.num_slots = num_host_slots(config.host_bytes, self.layout.slot_bytes)
+        if self.num_slots == 0:
+            raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
+        self.device_is_cuda = self.tensors[0].is_cuda
+        self.memory = SharedHostMemory(self.num_slots * self.layout.slot_bytes, pin=self.device_is_cuda)
+        self.host_buffer = self.memory.tensor
+        host_slots = self.host_buffer.numpy().reshape(self.num_slots, self.layout.slot_bytes)
+        self._wake = threading.Event()
+        self.transfers = TransferEngine(self._make_copier(), on_complete=self._wake.set)
+        self.book = JobBook(self.transfers)
+        specs = tier_specs(config) if self.is_source else []  # replicated KV: other ranks never touch a tier
+        self.io = IOProcess(self.memory.fd, specs, self.rank_fingerprint, self.layout.slot_bytes,
+                            self.num_slots) if specs else None
+        self.verifier = self.replicated = None
+        if config.verify_loads:  # test mode, wrapped around the paths through three hooks
+            from kvtier.verify import LoadVerifier
+            self.verifier = LoadVerifier(self.layout, self.tensors, host_slots)
+        if replicated:
+            from kvtier.replicated import ReplicatedLoads
+            self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
+                                              config.broadcast_shard_blocks, host_slots, self.is_source)
+        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.verifier,
+                              self.replicated)
+        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.is_source,
+                                self.verifier)
+        self._closed = False
+        self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
+        self._progress.start()
+        # An engine that is never shut down (an offline job that just ends) still flushes its writes.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _make_copier(self, first: bool = True):
+        """The device half, bound to the KV cache's addresses as they are now. Only the
+        first one warms up through host slot 0: later, the slot may hold a stored block."""
+        if self.device_is_cuda:
+            from kvtier.transfer.cuda import CudaCopier
+            return CudaCopier(self.layout, self.tensors, self.host_buffer, warm_up=first)
+        from kvtier.transfer.cpu import CpuCopier
+        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers that can move separately: one per KV tensor (a cross-layer cache has one)."""
+        return len(self.tensors)
+
+    @property
+    def num_verify_failures(self) -> int:
+        return self.verifier.num_failures if self.verifier is not None else 0
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        return self.book.num_jobs
+
+    # --- jobs: what the engine calls -------------------------------------------
+    def submit_load(self, job: LoadJob) -> None:
+        self.loads.submit(job)
+
+    def submit_load_layers(self, job: LoadJob) -> None:
+        self.loads.submit_layers(job)
+
+    def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float = 60.0) -> bool:
+        return self.loads.wait_for_layer(load_job_ids, layer, timeout)
+
+    def submit_store(self, job: StoreJob) -> None:
+        self.stores.submit(job)
+
+    def submit_store_layer(self, job: StoreJob, layer: int) -> None:
+        self.stores.submit_layer(job, layer)
+
+    def prepare_store_layers(self, job: StoreJob):
+        return self.stores.prepare_layers(job)
+
+    def device_reads_done(self, store_job_id: int) -> bool:
+        return self.stores.device_reads_done(store_job_id)
+
+    def wait_for_device_reads(self, store_job_ids: Sequence[int], timeout: float = 60.0) -> bool:
+        return self.stores.wait_for_device_reads(store_job_ids, timeout)
+
+    def wait_for_stores(self, store_job_ids: Sequence[int], timeout: float) -> bool:
+        return self.stores.wait_for_stores(store_job_ids, timeout)
+
+    def poll(self) -> list[JobReport]:
+        """Jobs finished since the last call, each exactly once."""
+        finished = self.book.take_finished()
+        return finished + (self.replicated.poll() if self.replicated is not None else [])
+
+    def released_slots(self) -> list[int]:
+        """Held slots whose late reads have returned since the last call."""
+        return self.book.take_released()
+
+    # --- progress, on kvtier's own thread -------------------------------------
+    def _run_progress(self) -> None:
+        while not self._closed:
+            # CUDA completions are found by polling events; CPU copies wake this thread themselves.
+            self._wake.wait(0.001 if self.device_is_cuda and self.transfers.num_in_flight else 0.05)
+            self._wake.clear()
+            try:
+                for job, result in self.book.copied():
+                    (self.loads if isinstance(job, Load) else self.stores).copied(job, result)
+                self.loads.abandon_overdue(time.monotonic())
+            except Exception:  # a bug here must not stop every later job from being reported
+                logger.exception("kvtier: progress thread error")
+
+    # --- sleep mode: the engine releases the KV cache and maps it again --------
+    def suspend_device(self, timeout: float) -> None:
+        """Before the KV cache is released: no copy runs or starts until ``resume_device``.
+        The tiers keep every block (host slots, disk, pool); jobs submitted meanwhile fail
+        and their blocks are recomputed. Idempotent."""
+        self.transfers.suspend(timeout)
+
+    def resume_device(self) -> None:
+        """After the KV cache is mapped again, perhaps elsewhere: every address-bound part
+        (the copier's tables, the broadcaster's addresses) is rebuilt from the tensors."""
+        if not self.transfers.suspended:
+            return
+        layout = detect_layout([tensor_info(t) for t in self.tensors], self.layout.num_blocks,
+                               self.layout.block_size, self.layout.kind)
+        if (layout.slot_bytes, layout.block_shape) != (self.layout.slot_bytes, self.layout.block_shape):
+            raise RuntimeError(f"kvtier: the KV cache came back as {layout.kind} {list(layout.block_shape)}, "
+                               f"not {self.layout.kind} {list(self.layout.block_shape)}")
+        self.layout = layout
+        if self.replicated is not None:
+            self.replicated.rebind(self.tensors)
+        self.transfers.resume(self._make_copier(first=False))
+
+    def close(self) -> None:
+        """Finish what is under way: the device copies, then the writes queued in the I/O
+        process, for up to ``shutdown_flush_s``; what is left then is dropped and logged."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + self.config.shutdown_flush_s
+        self.transfers.close()  # waits for the copies; the progress thread hands their writes on
+        while self.stores.copies_pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._closed = True
+        self._wake.set()
+        self._progress.join(timeout=5.0)
+        if self.io is not None:
+            finished, dropped = self.io.close(max(0.0, deadline - time.monotonic()))
+            if dropped:
+                logger.warning("kvtier: shutdown: %d queued I/O jobs (tier writes) dropped after shutdown_flush_s="
+                               "%.1f s; %d finished", dropped, self.config.shutdown_flush_s, finished)
+            elif finished:
+                logger.info("kvtier: shutdown: %d queued I/O jobs finished", finished)
+        if self.replicated is not None:
+            self.replicated.close()
+        self.memory.close()
+
+
+def _close_at_exit(worker_ref) -> None:
+    worker = worker_ref()
+    if worker is not None:
+        try:
+            worker.close()
+        except Exception:  # at exit, a failure to flush is logged, never raised
+            logger.exception("kvtier: flushing at exit failed")

@@ -1,0 +1,173 @@
+"""kvtier's I/O process: storage I/O off the engine's interpreter, crash isolation,
+progress without engine steps, flushing at shutdown, and nothing left behind."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.entry import HEADER_BYTES
+from kvtier.tiers.disk import DiskStore, entry_path
+from tests.test_tiering import Engine, keys_of, layouts, randomize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive: it only waits to be reaped
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _entries(disk_dir: str, fingerprint: bytes, keys) -> list[bool]:
+    return [entry_path(disk_dir, fingerprint, key).exists() for key in keys]
+
+
+def test_storage_io_runs_in_a_process_of_its_own(disk_dir):
+    engine = Engine(layouts()[0][1], disk_dir)
+    pid = engine.worker.io.pid
+    assert pid != os.getpid() and _alive(pid)
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"kvtier.io.process"]
+    engine.close()
+    assert _wait_until(lambda: not _alive(pid), 5)
+
+
+def test_a_store_reaches_disk_with_no_poll_and_no_engine_step(disk_dir):
+    """Write-through advances on kvtier's own threads: nobody calls poll() here."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=16)
+    randomize(tensors)
+    keys = keys_of(range(8))
+    job = engine.manager.plan_store("r", keys, list(range(1, 9)))
+    began = time.monotonic()
+    engine.worker.submit_store(job)
+    assert _wait_until(lambda: all(_entries(disk_dir, engine.worker.rank_fingerprint, keys)), 1.0)
+    assert time.monotonic() - began < 1.0
+    engine.run([], None)  # nothing else outstanding
+    engine.close()
+
+
+def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk_dir, caplog):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=4)
+    randomize(tensors)
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+    engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
+    old = engine.worker.io.pid
+    os.kill(old, signal.SIGSTOP)  # the read below is certainly in flight when the process dies
+    job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
+    assert len(job.fill_block_ids) == 4
+    engine.worker.submit_load(job)
+    time.sleep(0.1)
+    began = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="kvtier.io"):
+        os.kill(old, signal.SIGKILL)
+        reports = engine.run([], None, expect=1)
+    assert time.monotonic() - began < 5  # no hang: the dead process's jobs fail at once
+    assert sorted(reports[0].failed_block_ids) == [20, 21, 22, 23] and not reports[0].success
+    assert engine.manager.host.num_pins == 0 and engine.manager.num_held == 0
+    assert engine.manager.tier("disk").num_pins == 0 and engine.manager.num_pending == 0
+    assert any("I/O process exited" in r.message for r in caplog.records)
+    assert _wait_until(lambda: engine.worker.io.ready, 30) and engine.worker.io.pid != old
+    # The new process serves the same blocks: nothing was lost but the one load.
+    for t in tensors:
+        t[20:24].zero_()
+    _, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])
+    assert report.success
+    engine.close()
+
+
+def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(disk_dir, caplog):
+    engine = Engine(layouts()[0][1], disk_dir, host_blocks=4)
+    io = engine.worker.io
+    with caplog.at_level(logging.ERROR, logger="kvtier.io"):
+        for _ in range(4):
+            assert _wait_until(lambda: io.ready, 30)
+            pid = io.pid
+            os.kill(pid, signal.SIGKILL)
+            assert _wait_until(lambda: io.disabled or (io.ready and io.pid != pid), 30)
+    assert io.disabled
+    assert sum("tiers are off" in r.message for r in caplog.records) == 1
+    reports = engine.store(keys_of([1]), [1])  # the host pool still works; the write fails at once
+    assert reports[0].success and reports[0].failed_writes == {"disk": keys_of([1])}
+    engine.close()
+
+
+def test_a_clean_shutdown_flushes_queued_writes(disk_dir):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=40, disk_blocks=64)
+    randomize(tensors)
+    keys = keys_of(range(40))
+    job = engine.manager.plan_store("r", keys, list(range(1, 41)))
+    engine.worker.submit_store(job)
+    engine.close()  # at once: the copy, then the writes, finish before close returns
+    assert all(_entries(disk_dir, engine.worker.rank_fingerprint, keys))
+
+
+def test_a_shutdown_past_shutdown_flush_s_drops_and_says_so(disk_dir, caplog):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=8, shutdown_flush_s=0.5)
+    job = engine.manager.plan_store("r", keys_of(range(8)), list(range(1, 9)))
+    os.kill(engine.worker.io.pid, signal.SIGSTOP)  # a store that never answers
+    engine.worker.submit_store(job)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        engine.close()
+    assert time.monotonic() - began < 10  # bounded by shutdown_flush_s, plus a grace to stop the process
+    assert any("dropped" in r.message or "exited" in r.message for r in caplog.records)
+
+
+_ENGINE_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {root!r})
+    from tests.test_tiering import Engine, keys_of, layouts, randomize
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, {disk_dir!r}, host_blocks=40, disk_blocks=4000)
+    randomize(tensors)
+    print(engine.worker.io.pid, engine.worker.rank_fingerprint.hex(), flush=True)
+    for round in range(100000):
+        keys = keys_of(range(round * 40, round * 40 + 40))
+        job = engine.manager.plan_store("r", keys, list(range(1, 41)))
+        engine.run([job], engine.worker.submit_store)
+""")
+
+
+def test_sigkill_of_the_engine_takes_the_io_process_and_leaves_no_half_written_entry(tmp_path):
+    """SIGKILL mid-writes: the I/O process stops at once (it never outlives its worker);
+    every entry on disk is whole (writes land by rename), and the next scan drops the rest."""
+    disk_dir = str(tmp_path / "disk")
+    script = _ENGINE_SCRIPT.format(root=str(ROOT), disk_dir=disk_dir)
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    io_pid, fingerprint = engine.stdout.readline().split()
+    time.sleep(2.0)  # writes under way
+    engine.kill()
+    engine.wait()
+    assert _wait_until(lambda: not _alive(int(io_pid)), 5), "the I/O process outlived its engine"
+    store = DiskStore(disk_dir, bytes.fromhex(fingerprint), layouts()[0][1][0][0].numel() * 2 * 3)
+    entries = [p for p in (Path(disk_dir) / fingerprint).rglob("*") if p.is_file() and not p.name.endswith(".tmp")]
+    assert entries, "the engine wrote nothing before it was killed"
+    out = np.empty(store.slot_bytes, np.uint8)
+    for path in entries:  # each entry present is whole and checks out
+        assert path.stat().st_size == HEADER_BYTES + store.slot_bytes
+        assert store.read(bytes.fromhex(path.name), memoryview(out)) is None

@@ -1,0 +1,100 @@
+"""The shared-filesystem tier (``file:///path``), built through the tier interface alone:
+two instances on one directory, as on an NFS mount or a Kubernetes volume."""
+
+import os
+
+import pytest
+import torch
+
+from kvtier.config import ConfigError, KVTierConfig
+from kvtier.entry import HEADER_BYTES
+from kvtier.tiers.disk import entry_path
+from tests.test_remote import Instance, keys_of
+
+
+@pytest.fixture
+def shared(tmp_path):
+    path = tmp_path / "shared"
+    path.mkdir()
+    return path
+
+
+def test_blocks_stored_by_one_instance_load_byte_exact_in_another(shared):
+    writer, reader = Instance(f"file://{shared}"), Instance(f"file://{shared}")
+    report = writer.run(writer.manager.plan_store("a", keys_of([1, 2, 3]), [3, 4, 9]), writer.worker.submit_store)
+    assert report.success and not report.failed_writes
+    assert writer.manager.stats.written_blocks["file"] == 3
+    assert reader.manager.lookup(keys_of([1, 2, 3, 4]), "r") is None  # asked off the scheduler's thread
+    assert reader.lookup(keys_of([1, 2, 3, 4])) == 3
+    job = reader.manager.plan_load("r", keys_of([1, 2, 3]), [0, 1, 2])
+    assert job.fill_from == ["file"] * 3
+    report = reader.run(job, reader.worker.submit_load)
+    assert report.success
+    for t_writer, t_reader in zip(writer.tensors, reader.tensors):
+        assert torch.equal(t_writer[[3, 4, 9]].view(torch.int16), t_reader[[0, 1, 2]].view(torch.int16))
+    assert reader.manager.host.num_pins == 0
+    writer.close()
+    reader.close()
+
+
+def test_entries_are_written_atomically_and_once(shared):
+    first, second = Instance(f"file://{shared}"), Instance(f"file://{shared}")
+    first.run(first.manager.plan_store("a", keys_of([1]), [1]), first.worker.submit_store)
+    path = entry_path(shared, first.worker.rank_fingerprint, keys_of([1])[0])
+    stamp = path.stat().st_mtime_ns
+    second.run(second.manager.plan_store("a", keys_of([1]), [1]), second.worker.submit_store)
+    assert path.stat().st_mtime_ns == stamp  # the second instance found it there and did not rewrite it
+    assert not [p for p in shared.rglob("*.tmp")]
+    assert path.stat().st_size == HEADER_BYTES + first.worker.layout.slot_bytes
+    first.close()
+    second.close()
+
+
+def test_a_damaged_shared_entry_is_a_miss_and_is_not_offered_again(shared):
+    writer, reader = Instance(f"file://{shared}"), Instance(f"file://{shared}")
+    writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
+    path = entry_path(shared, writer.worker.rank_fingerprint, keys_of([1])[0])
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert reader.lookup(keys_of([1, 2]), token="first") == 2
+    report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
+    assert report.failed_block_ids == [5] and report.bad_keys == keys_of([1])
+    assert reader.lookup(keys_of([1, 2]), token="again") == 0
+    assert path.exists()  # a shared entry is never deleted by a reader: another instance may rewrite it
+    writer.close()
+    reader.close()
+
+
+def test_max_bytes_bounds_the_directory(shared):
+    probe = Instance(f"file://{shared}")
+    entry = HEADER_BYTES + probe.worker.layout.slot_bytes
+    probe.close()
+    bounded = Instance(f"file://{shared}?max_bytes={10 * entry}")
+    for i in range(4):
+        keys = keys_of(range(i * 4, i * 4 + 4))
+        bounded.run(bounded.manager.plan_store("a", keys, [1, 2, 3, 4]), bounded.worker.submit_store)
+    files = [p for p in shared.rglob("*") if p.is_file()]
+    assert len(files) * entry <= 10 * entry
+    newest = entry_path(shared, bounded.worker.rank_fingerprint, keys_of([15])[0])
+    assert newest.exists()  # the oldest go first
+    bounded.close()
+
+
+@pytest.mark.parametrize("url, words", [
+    ("file://relative/path", "not host"),
+    ("file:///mnt/kv?size=1", "unknown file:// option"),
+    ("file:///mnt/kv?max_bytes=lots", "not a size"),
+])
+def test_a_bad_file_url_fails_at_start_up_naming_the_key(url, words):
+    with pytest.raises(ConfigError, match="remote_url") as error:
+        KVTierConfig.from_sources({"remote_url": url}, environ={})
+    assert words in str(error.value)
+
+
+def test_the_shared_directory_is_made_owner_only(shared):
+    instance = Instance(f"file://{shared}")
+    instance.run(instance.manager.plan_store("a", keys_of([1]), [1]), instance.worker.submit_store)
+    path = entry_path(shared, instance.worker.rank_fingerprint, keys_of([1])[0])
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    instance.close()

