@@ -54,3 +54,21 @@ def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_
         return "checksum mismatch"
     return None
 
+
+
+def read_header(header: bytes, fingerprint: bytes, payload_bytes: int) -> bytes | None:
+    """The key an entry's header names, if it is a kvtier entry of this namespace and size."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, version, _, entry_fingerprint, key, length, _ = _HEADER.unpack_from(header)
+    if magic != MAGIC or version != FORMAT_VERSION or entry_fingerprint != fingerprint or length != payload_bytes:
+        return None
+    return key
+
+
+def read_header_length(header: bytes) -> int | None:
+    """The payload length a kvtier header declares, or None if it is not one."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, version, _, _, _, length, _ = _HEADER.unpack_from(header)
+    return length if magic == MAGIC and version == FORMAT_VERSION else None

@@ -207,7 +207,8 @@ class TierManager:
         job = LoadJob(next(self._job_ids), req_id,
                       [block_ids[i] for i in ready], [slot_at[i] for i in ready], [keys[i] for i in ready],
                       [block_ids[i] for i in fills], [slot_at[i] for i in fills], [keys[i] for i in fills],
-                      [sources[i] for i in fills], list(block_ids[end:]), layerwise)
+                      [sources[i] for i in fills], list(block_ids[end:]), layerwise,
+                      [self.tier(sources[i]).location(keys[i]) for i in fills])
         self.stats.hit_blocks.update(sources[:end])
         self._pending[job.job_id] = _Pending(job)
         return job
@@ -225,9 +226,11 @@ class TierManager:
         plan = self.host.prepare_store(fitting) if fitting else None
         if plan is None:
             return None
-        writes = {tier.name: tier.prepare_store(plan.keys) for tier in self._writes_to}
+        writes = {tier: tier.prepare_store(plan.keys) for tier in self._writes_to}
+        writes = {tier: keys for tier, keys in writes.items() if keys}
         job = StoreJob(next(self._job_ids), req_id, [wanted[k] for k in plan.keys], plan.slot_ids, plan.keys,
-                       {name: keys for name, keys in writes.items() if keys})
+                       {tier.name: keys for tier, keys in writes.items()},
+                       {tier.name: [tier.location(k) for k in keys] for tier, keys in writes.items()})
         self._pending[job.job_id] = _Pending(job)
         return job
 

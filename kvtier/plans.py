@@ -28,6 +28,7 @@ class LoadJob:
     fill_from: list[str] = field(default_factory=list)
     missing_block_ids: list[int] = field(default_factory=list)
     layerwise: bool = False  # host slots only, each layer copied and awaited on its own
+    fill_locations: list[int] = field(default_factory=list)  # where the tier keeps each fill (-1: its store finds it)
 
     def __post_init__(self):
         if not (len(self.ready_block_ids) == len(self.ready_slot_ids) == len(self.ready_keys)
@@ -51,6 +52,7 @@ class StoreJob:
     slot_ids: list[int]
     keys: list[bytes]
     writes: dict[str, list[bytes]] = field(default_factory=dict)
+    write_locations: dict[str, list[int]] = field(default_factory=dict)  # per tier, where each key goes
 
     def __post_init__(self):
         if not len(self.block_ids) == len(self.slot_ids) == len(self.keys):

@@ -8,7 +8,7 @@ import torch
 
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.entry import HEADER_BYTES
-from kvtier.tiers.disk import entry_path
+from kvtier.tiers.entry_files import entry_path
 from tests.test_remote import Instance, keys_of
 
 

@@ -1,7 +1,8 @@
 """The scheduler-side manager and the worker together, as an engine drives them."""
 
+import os
 import random
-import shutil
+import resource
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from kvtier.config import KVTierConfig
 from kvtier.entry import HEADER_BYTES
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager
-from kvtier.tiers.disk import entry_path
+from kvtier.tiers.disk import entries_file
 from kvtier.worker import TierWorker
 
 NB, BS = 48, 4
@@ -67,6 +68,7 @@ class Engine:
 
     def close(self):
         self.worker.close()
+        self.manager.close()
 
 
 def keys_of(ids):
@@ -109,14 +111,15 @@ def test_corrupt_disk_entry_fails_only_its_block_and_is_forgotten(disk_dir):
     engine.store(keys_of(range(2)), [1, 2])
     engine.store(keys_of(range(2, 3)), [3])
     engine.store(keys_of(range(10, 12)), [4, 5])  # push the first blocks out of host
-    path = entry_path(disk_dir, engine.worker.rank_fingerprint, keys_of([1])[0])
+    path = entries_file(disk_dir, engine.worker.rank_fingerprint)
+    offset = engine.manager.tier("disk").location(keys_of([1])[0]) * (HEADER_BYTES + engine.worker.layout.slot_bytes)
     data = bytearray(path.read_bytes())
-    data[HEADER_BYTES + 3] ^= 1
+    data[offset + HEADER_BYTES + 3] ^= 1
     path.write_bytes(bytes(data))
     job, report = engine.load(keys_of(range(3)), [20, 21, 22])
     assert report.failed_block_ids == [21] and report.bad_keys == keys_of([1])
     assert engine.manager.stats.bad_entries == 1
-    assert engine.manager.tier('disk').lookup(keys_of([1])) == [False] and not path.exists()
+    assert engine.manager.tier('disk').lookup(keys_of([1])) == [False]
     assert engine.manager.host.num_pins == 0
     engine.close()
 
@@ -307,16 +310,10 @@ def test_an_unexpected_error_on_an_io_thread_still_ends_the_job(disk_dir):
     engine.store(keys_of([1, 2]), [1, 2])
     engine.store(keys_of([3, 4]), [3, 4])  # 1 and 2 now only on disk
 
-    # Faults in the I/O process's file system calls: entries replaced by directories (a read
-    # fails), and the folder a new entry goes to replaced by a file (its write fails).
-    fp = engine.worker.rank_fingerprint
-    for key in keys_of([1, 2]):
-        path = entry_path(disk_dir, fp, key)
-        path.unlink()
-        path.mkdir()
-    folder = entry_path(disk_dir, fp, keys_of([5])[0]).parent
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.write_bytes(b"not a folder")
+    # Real faults under the I/O process: its file cut to nothing (every read comes up short),
+    # and a file-size limit of 0 bytes on the process (every write fails with EFBIG).
+    os.truncate(entries_file(disk_dir, engine.worker.rank_fingerprint), 0)
+    resource.prlimit(engine.worker.io.pid, resource.RLIMIT_FSIZE, (0, 0))
     job, report = engine.load(keys_of([1, 2]), [10, 11])
     assert sorted(report.failed_block_ids) == [10, 11]
     reports = engine.store(keys_of([5]), [5])

@@ -116,13 +116,18 @@ def test_a_new_process_serves_the_prefix_from_disk(restarted_process, reference)
 
 
 def test_a_corrupt_disk_entry_is_recomputed_and_counted(workdir, model, restarted_process, reference):
+    from kvtier.entry import HEADER_BYTES
+    from kvtier.tiers.disk import entries_in
+
     disk = workdir / "disk"
-    entries = sorted(p for p in disk.rglob("*") if p.is_file())
+    entries = entries_in(disk)
     assert entries
-    for path in entries:  # damage every entry's payload: none may be attended to
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
+    for path, offset, _, length in entries:  # damage every entry's payload: none may be attended to
+        with open(path, "r+b") as file:
+            file.seek(offset + HEADER_BYTES + length - 1)
+            last = file.read(1)[0]
+            file.seek(offset + HEADER_BYTES + length - 1)
+            file.write(bytes([last ^ 0xFF]))
     extra = {"host_bytes": "64MiB", "disk_dir": str(disk)}
     result = run_app(workdir, "corrupt", {"model": model, "connector": "kvtier", "extra": extra,
                                           "phases": [{"prompts": [long_prompt()]}]})

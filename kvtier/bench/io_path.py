@@ -17,6 +17,7 @@ class IOPath:
     def __init__(self, spec: TierSpec, num_slots: int, slot_bytes: int, fingerprint: bytes = b"\x07" * 16):
         self.memory = SharedHostMemory(num_slots * slot_bytes, pin=False)
         self.slots = self.memory.tensor.numpy().reshape(num_slots, slot_bytes)
+        self.fingerprint = fingerprint
         self.io = IOProcess(self.memory.fd, [spec], fingerprint, slot_bytes, num_slots)
         self.tier = spec.name
 
@@ -37,7 +38,8 @@ class IOPath:
         for start in starts:
             free.acquire()
             part = range(start, min(start + batch, len(keys)))
-            self.io.submit(self.tier, write, [keys[i] for i in part], list(part), time.monotonic() + 60, answered)
+            self.io.submit(self.tier, write, [keys[i] for i in part], list(part), list(part), time.monotonic() + 60,
+                           answered)
         for _ in starts:
             done.acquire()
         elapsed = time.perf_counter() - began

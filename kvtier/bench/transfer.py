@@ -22,6 +22,7 @@ from kvtier.bench.io_path import IOPath
 from kvtier.keys import block_keys
 from kvtier.layout import detect_layout
 from kvtier.tiers.base import TierSpec
+from kvtier.tiers.disk import entries_file
 from kvtier.tiers.registry import DISK_MODULE
 from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -135,14 +136,20 @@ def _disk(slots: np.ndarray, disk_dir: str | None, io_threads: int, repeats: int
             return time.perf_counter() - began
 
         writes, reads, file_writes, file_reads = [], [], [], []
+        tier_root = os.path.join(root, "tier")
         for round_ in range(repeats + 2):  # page-cache writeback makes single runs noisy: best of more
+            # Both sides start each write with no dirty pages and into no allocated blocks, and drop
+            # what they wrote after reading it: neither pays for the other's or earlier rounds' writeback.
+            os.sync()
             file_writes.append(plain_write())
             file_reads.append(plain_read())
             os.unlink(plain_path)
             round_keys = [key[:-1] + bytes([round_]) for key in keys]  # new entries each round
+            os.sync()
             writes.append(path.run(True, round_keys, BLOCKS_PER_JOB))
             path.slots[:] = 0
             reads.append(path.run(False, round_keys, BLOCKS_PER_JOB))
+            os.truncate(entries_file(tier_root, path.fingerprint), 0)  # as the plain file is deleted
             if progress:
                 progress()
         assert np.array_equal(path.slots, slots), "the disk tier read back other bytes than it wrote"

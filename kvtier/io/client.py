@@ -36,10 +36,10 @@ Callback = Callable[[list], None]
 
 class IOProcess:
     def __init__(self, memory_fd: int, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
-                 num_slots: int):
+                 num_slots: int, drain_s: float = 10.0):
         self._memory_fd = memory_fd
         self._setup = Setup([dataclasses.asdict(s) for s in specs], rank_fingerprint, slot_bytes, num_slots,
-                            os.getpid(), logging.getLogger("kvtier").getEffectiveLevel())
+                            os.getpid(), logging.getLogger("kvtier").getEffectiveLevel(), drain_s)
         self._job_ids = itertools.count()
         self._lock = threading.Lock()  # guards _callbacks, _sock and _process; sends are under it too
         self._callbacks: dict[int, tuple[int, Callback]] = {}  # job id -> (number of blocks, callback)
@@ -92,8 +92,8 @@ class IOProcess:
             self._sock = parent
         self._receiver.start()
 
-    def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float,
-               callback: Callback) -> None:
+    def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int],
+               locations: Sequence[int], deadline: float, callback: Callback) -> None:
         """Run one job in the I/O process; ``callback(reasons)`` is called once, on another thread
         or, if the job cannot be sent, on this one."""
         with self._lock:
@@ -108,7 +108,7 @@ class IOProcess:
             if why is None:
                 self._callbacks[job_id] = (len(keys), callback)
                 try:
-                    send(self._sock, Job(job_id, tier, write, list(keys), list(slot_ids), deadline))
+                    send(self._sock, Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline))
                     return
                 except OSError as error:  # the process died; the receiver answers its other jobs
                     self._callbacks.pop(job_id)

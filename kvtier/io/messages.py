@@ -21,6 +21,7 @@ class Setup(msgspec.Struct, tag=True):
     num_slots: int
     parent_pid: int
     log_level: int
+    drain_s: float  # orphaned (the worker died), finish the jobs already held for at most this long
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -33,6 +34,7 @@ class Job(msgspec.Struct, tag=True):
     write: bool  # True: host slots -> tier; False: tier -> host slots
     keys: list[bytes]
     slot_ids: list[int]
+    locations: list[int]  # where the tier's index put each key (-1: the store finds it)
     deadline: float  # time.monotonic() of the engine's host (the same clock in every process)
 
 

@@ -6,12 +6,15 @@ memory file, builds one ``TierStore`` per tier from the ``Setup`` message, and t
 serves jobs: each ``Job`` runs on its tier's threads and is answered by one
 ``Outcome``, one reason per block. It imports no torch and no engine.
 
-It never outlives its worker: the socket's end of file (the worker exited, or
-was killed) or a new parent process id ends it at once. Entries are written
-atomically by every store (a file renamed into place, one pool value per
-entry), so a write cut short leaves no entry, never half of one. A ``Flush``
-(clean shutdown) lets queued jobs finish up to its timeout, answers ``Flushed``
-with what was dropped, and exits.
+A ``Flush`` (clean shutdown) lets queued jobs finish up to its timeout, answers
+``Flushed`` with what was dropped, and exits. If the worker dies instead (killed,
+or its engine force-stopped, as ``vllm serve`` does to its engine at SIGTERM), the
+socket's end of file or a new parent process id says so: the process takes no new
+job, finishes the writes it already holds (their bytes are in the host pool,
+which it maps) for at most ``drain_s`` (``shutdown_flush_s``), and exits. Every
+store writes an entry atomically (a file renamed into place, one pool value), so
+a write cut short leaves no entry, never half of one. SIGTERM and SIGINT sent to
+the engine's process group are not for it: its worker decides when it stops.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import signal
 import socket
 import sys
 import threading
@@ -57,32 +61,35 @@ class _Server:
         send(self.sock, Ready(errors))
 
     def _answer(self, message) -> None:
-        with self._send_lock:
-            send(self.sock, message)
+        try:
+            with self._send_lock:
+                send(self.sock, message)
+        except OSError:  # the worker is gone: the job's work is done all the same
+            pass
 
     def _run(self, job: Job) -> None:
         store = self.stores[job.tier]
         try:
             if job.write:
-                reasons = store.write_from(job.keys, job.slot_ids, job.deadline)
+                reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline)
             else:
-                reasons = store.read_into(job.keys, job.slot_ids, job.deadline)
+                reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline)
         except Exception as error:  # every job gets an answer, whatever the store raises
             reasons = [f"{type(error).__name__}: {error}"] * len(job.keys)
-        try:
-            self._answer(Outcome(job.job_id, list(reasons)))
-        except OSError:
-            os._exit(0)  # the worker is gone
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
+        self._answer(Outcome(job.job_id, list(reasons)))
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
 
-    def serve(self) -> None:
+    def serve(self, drain_s: float) -> None:
         while True:
-            message = receive(self.sock)
-            if message is None:
-                os._exit(0)  # the worker is gone: nothing is left to report to
+            try:
+                message = receive(self.sock)
+            except OSError:
+                message = None
+            if message is None:  # the worker is gone: finish what is held, take nothing new
+                self.drain(drain_s)
+                return
             if isinstance(message, Job):
                 if message.tier not in self.stores:
                     self._answer(Outcome(message.job_id, [unavailable(f"tier {message.tier} is off")] * len(message.keys)))
@@ -91,43 +98,44 @@ class _Server:
                     self._in_flight += 1
                 self.threads[message.tier].submit(self._run, message)
             elif isinstance(message, Flush):
-                self._flush(message.timeout_s)
+                queued, dropped = self.drain(message.timeout_s)
+                self._answer(Flushed(queued - dropped, dropped))
                 return
 
-    def _flush(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Wait up to ``timeout_s`` for the jobs in hand; (jobs then, jobs left)."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
             queued = self._in_flight
             while self._in_flight and time.monotonic() < deadline:
                 self._idle.wait(deadline - time.monotonic())
-            dropped = self._in_flight
-        try:
-            self._answer(Flushed(queued - dropped, dropped))
-        except OSError:
-            pass
+            return queued, self._in_flight
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the worker's process is gone, even if a forked child still holds the socket."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)
+def _watch_parent(parent_pid: int, server: "_Server", drain_s: float) -> None:
+    """Notice the worker's death even if a process it forked still holds the socket."""
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
+    server.drain(drain_s)
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:
     memory_fd, socket_fd = int(argv[0]), int(argv[1])
     sock = socket.socket(fileno=socket_fd)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past a file-size limit a write fails (EFBIG), it does not kill
     setup = receive(sock)
-    if not isinstance(setup, Setup):
-        os._exit(2)
-    threading.Thread(target=_watch_parent, args=(setup.parent_pid,), daemon=True).start()
+    if not isinstance(setup, Setup) or os.getppid() != setup.parent_pid:
+        os._exit(2)  # not started by a live worker
     logging.basicConfig(level=setup.log_level, format="%(levelname)s %(asctime)s kvtier-io[%(process)d] %(message)s")
     server = _Server(sock, memory_fd, setup)
     os.close(memory_fd)  # the mapping keeps the memory; the descriptor is not needed any more
-    server.serve()
+    threading.Thread(target=_watch_parent, args=(setup.parent_pid, server, setup.drain_s), daemon=True).start()
+    server.serve(setup.drain_s)
     sys.stdout.flush()
-    os._exit(0)  # store threads still blocked in a call past the flush deadline are dropped, not joined
+    os._exit(0)  # store threads still blocked in a call past the deadline are dropped, not joined
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ class TierIndex(ABC):
         """Reserve room; returns the keys to write (those the tier does not hold, that fit)."""
         return list(keys)
 
+    def location(self, key: bytes) -> int:
+        """Where the tier keeps a key it holds or reserved, for its store (-1: the store finds it)."""
+        return -1
+
     def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes]) -> None:
         """The writes of ``written`` landed; those of ``failed`` did not."""
 
@@ -102,11 +106,14 @@ class TierStore(ABC):
         self.host = host_slots
 
     @abstractmethod
-    def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float) -> list[str | None]:
-        """Read each key's entry into its slot; per block None (the slot holds the block) or why it is a miss."""
+    def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
+                  deadline: float) -> list[str | None]:
+        """Read each key's entry (at the index's ``location``) into its slot; per block None
+        (the slot holds the block) or why it is a miss."""
 
     @abstractmethod
-    def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], deadline: float) -> list[str | None]:
+    def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
+                   deadline: float) -> list[str | None]:
         """Write each slot as its key's entry; per block None (stored) or why not."""
 
     def close(self) -> None:

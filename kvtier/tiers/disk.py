@@ -1,39 +1,43 @@
-"""Disk tier: blocks persisted as files under a directory. Torch-free.
+"""Local disk tier: a directory of this instance's own. Torch-free.
 
-Layout on disk: ``<disk_dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, one
-file per block and rank, a 64-byte ``kvtier.entry`` header then the slot's bytes.
-Files and folders are created readable by their owner only. A write goes to a
-temporary file that is renamed into place, so a crash never leaves a
-half-written file under an entry's name; a torn write after a power loss fails
-its checksum and is a miss.
+Each rank's entries live in one preallocated, sparse file,
+``<disk_dir>/<rank fingerprint hex>/entries.kvtier``, cut into fixed-size places
+of one ``kvtier.entry`` each (a 64-byte header, then the slot's bytes). A place is
+written with two positioned writes, the payload first and the header last: until
+the header lands, the place still carries its previous header, whose checksum
+the new payload fails, so a torn or interrupted write is a miss, never a block.
+No file is created per block: a write costs what the bytes cost.
 
 The tier's two halves (``kvtier.tiers.base``):
-- ``DiskIndex`` runs in the scheduler: which keys are on disk (found again by a
-  scan at start-up), pins for loads in flight, LRU eviction within ``disk_bytes``.
-- ``DiskStore`` runs in kvtier's I/O process: reads and writes entries on its own
+- ``DiskIndex`` runs in the scheduler: which key is in which place (found again
+  at start-up from the places' headers), pins for loads in flight, LRU eviction
+  within ``disk_bytes``. It holds an exclusive lock on the files, so that two
+  instances never write each other's places (share a directory between
+  instances with ``remote_url: file:///...`` instead).
+- ``DiskStore`` runs in kvtier's I/O process: reads and writes places on its own
   threads, never on the engine's interpreter.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-import socket
-import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
 from kvtier.tiers.base import TierIndex, TierSpec, TierStore
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
+FILE_NAME = "entries.kvtier"
 
 
-def entry_path(root: Path, rank_fingerprint: bytes, key: bytes) -> Path:
-    key_hex = key.hex()
-    return Path(root) / rank_fingerprint.hex() / key_hex[:2] / key_hex
+def entries_file(root, rank_fingerprint: bytes) -> Path:
+    return Path(root) / rank_fingerprint.hex() / FILE_NAME
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> "DiskIndex":
@@ -44,11 +48,15 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "Dis
     return DiskStore(spec.location, rank_fingerprint, slot_bytes, spec.threads)
 
 
-class DiskIndex(TierIndex):
-    """Which blocks are on disk, for all ranks of one namespace.
+class DiskInUse(ValueError):
+    """Another process holds this disk directory's entries."""
 
-    An entry counts as present only when every rank's file is there. Each entry
-    costs ``len(rank_fingerprints) * (header + slot_bytes)`` of ``capacity_bytes``.
+
+class DiskIndex(TierIndex):
+    """Which blocks are on disk, and where, for all ranks of one namespace.
+
+    A block takes the same place in every rank's file; it counts as present only
+    when every rank's place holds it. ``capacity_bytes`` is shared by the ranks.
     """
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, slot_bytes: int,
@@ -57,45 +65,57 @@ class DiskIndex(TierIndex):
         self.root = Path(root)
         self.slot_bytes = slot_bytes
         self.rank_fingerprints = list(rank_fingerprints)
-        self.entry_bytes = len(self.rank_fingerprints) * (HEADER_BYTES + slot_bytes)
-        self.capacity_entries = capacity_bytes // self.entry_bytes
+        self.entry_bytes = HEADER_BYTES + slot_bytes  # one place, one rank
+        self.capacity_entries = capacity_bytes // (len(self.rank_fingerprints) * self.entry_bytes)
         if self.capacity_entries <= 0:
-            raise ValueError(f"disk_bytes={capacity_bytes} holds no entry of {self.entry_bytes} bytes")
+            raise ValueError(f"disk_bytes={capacity_bytes} holds no entry of "
+                             f"{len(self.rank_fingerprints) * self.entry_bytes} bytes")
+        self._place_of: dict[bytes, int] = {}  # ready or being written
         self._ready: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._writing: set[bytes] = set()
         self._pins: dict[bytes, int] = {}
+        self._free: list[int] = []  # free places, the lowest last: files stay dense at their start
         self.num_evictions = 0
         self.num_discarded = 0
+        self._fds: list[int] = []
+        self._closer = weakref.finalize(self, _close_all, self._fds)  # closed with the index, or when it goes
         for fingerprint in self.rank_fingerprints:
-            (self.root / fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            self._fds.append(self._open(fingerprint))
         self._scan()
 
+    def _open(self, fingerprint: bytes) -> int:
+        path = entries_file(self.root, fingerprint)
+        path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskInUse(f"kvtier config: key 'disk_dir' ({self.root}) is in use by another kvtier instance "
+                            f"({path} is locked); give each instance a disk_dir of its own, and share entries "
+                            f"between instances with remote_url: file:///<dir>") from None
+        if os.fstat(fd).st_size < self.capacity_entries * self.entry_bytes:
+            os.ftruncate(fd, self.capacity_entries * self.entry_bytes)  # sparse: no space is used until written
+        return fd
+
     def _scan(self) -> None:
-        """Find the entries a previous process left, oldest first."""
-        found: dict[bytes, float] | None = None
-        expected_size = HEADER_BYTES + self.slot_bytes
-        for fingerprint in self.rank_fingerprints:
-            rank_entries: dict[bytes, float] = {}
-            for sub in (self.root / fingerprint.hex()).iterdir():
-                if not sub.is_dir():
-                    continue
-                for item in os.scandir(sub):
-                    if item.name.endswith(".tmp"):
-                        _unlink_quietly(item.path)  # a write that a crash interrupted
-                        continue
-                    try:
-                        key = bytes.fromhex(item.name)
-                        stat = item.stat()
-                    except (ValueError, OSError):
-                        continue
-                    if len(key) == 16 and stat.st_size == expected_size:
-                        rank_entries[key] = stat.st_mtime
-            found = rank_entries if found is None else {
-                k: max(t, rank_entries[k]) for k, t in found.items() if k in rank_entries}
-        for key, _ in sorted((found or {}).items(), key=lambda item: item[1]):
-            self._ready[key] = None
-        while len(self._ready) > self.capacity_entries:
-            self._evict_one()
+        """Find the entries a previous process left: a key counts where every rank's place holds it."""
+        found: dict[int, bytes] | None = None
+        for fingerprint, fd in zip(self.rank_fingerprints, self._fds):
+            rank_found = {}
+            for place in _written_places(fd, self.entry_bytes, self.capacity_entries):
+                key = read_header(os.pread(fd, HEADER_BYTES, place * self.entry_bytes), fingerprint,
+                                  self.slot_bytes)
+                if key is not None:
+                    rank_found[place] = key
+            found = rank_found if found is None else {p: k for p, k in found.items() if rank_found.get(p) == k}
+        taken = set()
+        for place, key in sorted((found or {}).items()):
+            if key not in self._place_of:  # a key twice (an interrupted rewrite): the first place wins
+                self._place_of[key] = place
+                self._ready[key] = None
+                taken.add(place)
+        self._free = [p for p in range(self.capacity_entries - 1, -1, -1) if p not in taken]
 
     @property
     def num_pins(self) -> int:
@@ -112,14 +132,17 @@ class DiskIndex(TierIndex):
                 self._ready.move_to_end(key)
         return found
 
+    def location(self, key: bytes) -> int:
+        return self._place_of[key]
+
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._ready), "evictions": self.num_evictions, "discarded": self.num_discarded}
 
     def contains(self, key: bytes) -> bool:
-        return key in self._ready or key in self._writing
+        return key in self._place_of
 
     def prepare_load(self, keys: Sequence[bytes]) -> None:
-        """Pin ready entries so that eviction leaves their files until ``complete_load``."""
+        """Pin ready entries so that eviction leaves their places until ``complete_load``."""
         for key in keys:
             if key not in self._ready:
                 raise KeyError(key.hex())
@@ -137,16 +160,18 @@ class DiskIndex(TierIndex):
             self.discard(key)
 
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Reserve room for the keys not yet on disk; returns those to write.
+        """Reserve a place for each key not yet on disk; returns those to write.
 
         Evicts least recently used, unpinned entries to make room; writes only as
         many keys as fit.
         """
-        new_keys = [k for k in dict.fromkeys(keys) if k not in self._ready and k not in self._writing]
         accepted = []
-        for key in new_keys:
-            if self.num_entries >= self.capacity_entries and not self._evict_one():
+        for key in dict.fromkeys(keys):
+            if key in self._place_of:
+                continue
+            if not self._free and not self._evict_one():
                 break
+            self._place_of[key] = self._free.pop()
             self._writing.add(key)
             accepted.append(key)
         return accepted
@@ -155,132 +180,130 @@ class DiskIndex(TierIndex):
         for key in written:
             self._writing.discard(key)
             self._ready[key] = None
-        for key in failed:
+        for key in failed:  # the place may hold part of the write: its old header's checksum fails it
             self._writing.discard(key)
-            self._delete_files(key)
+            self._free.append(self._place_of.pop(key))
 
     def discard(self, key: bytes) -> None:
-        """Drop an entry found corrupt or missing: a miss from now on."""
+        """Drop an entry found corrupt or missing: a miss from now on, its place reused."""
         if key in self._ready and key not in self._pins:
             del self._ready[key]
-            self._delete_files(key)
+            self._free.append(self._place_of.pop(key))
             self.num_discarded += 1
 
     def _evict_one(self) -> bool:
         for key in self._ready:
             if key not in self._pins:
                 del self._ready[key]
-                self._delete_files(key)
+                self._free.append(self._place_of.pop(key))
                 self.num_evictions += 1
                 return True
         return False
 
-    def _delete_files(self, key: bytes) -> None:
-        # Synchronous on purpose: a deferred unlink could delete a newer file that a
-        # later store of the same key renamed into place.
-        for fingerprint in self.rank_fingerprints:
-            _unlink_quietly(entry_path(self.root, fingerprint, key))
+    def close(self) -> None:
+        self._closer()  # releases the locks
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def entries_in(root) -> list[tuple[Path, int, bytes, int]]:
+    """(file, offset, key, payload bytes) of every place under ``root`` whose header names a
+    kvtier entry of its file's namespace. Headers only: a payload may still fail its checksum."""
+    found = []
+    for path in sorted(Path(root).glob(f"*/{FILE_NAME}")):
+        fingerprint = bytes.fromhex(path.parent.name)
+        with open(path, "rb") as file:
+            first = read_header_length(file.read(HEADER_BYTES))  # place 0 is the first one written
+            if first is None:
+                continue
+            entry_bytes = HEADER_BYTES + first
+            capacity = os.fstat(file.fileno()).st_size // entry_bytes
+            for place in _written_places(file.fileno(), entry_bytes, capacity):
+                key = read_header(os.pread(file.fileno(), HEADER_BYTES, place * entry_bytes), fingerprint, first)
+                if key is not None:
+                    found.append((path, place * entry_bytes, key, first))
+    return found
+
+
+def _written_places(fd: int, entry_bytes: int, capacity: int):
+    """Places whose header lies in data: the holes of the sparse file are places never written."""
+    end = capacity * entry_bytes
+    offset = 0
+    while offset < end:
+        try:
+            data = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data after offset
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield from range(-(-data // entry_bytes), min(-(-hole // entry_bytes), capacity))
+        offset = hole
 
 
 class DiskStore(TierStore):
-    """Reads and writes one rank's entries. Thread-safe; runs in kvtier's I/O process.
+    """Reads and writes one rank's places. Thread-safe; runs in kvtier's I/O process.
 
-    A batch is spread over ``threads`` threads: file I/O releases the GIL, so several
-    entries are in the kernel at once."""
+    A batch is spread over ``threads`` threads: positioned reads and writes release
+    the GIL, so several entries are in the kernel at once."""
 
     def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
-        self.root = Path(root)
+        self.path = entries_file(root, rank_fingerprint)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
-        (self.root / rank_fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        self._made_dirs: set[str] = set()
-        self._lock = threading.Lock()
+        self.entry_bytes = HEADER_BYTES + slot_bytes
+        self.path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        # The index made and sized the file; opened here without truncating, never locked.
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
-        # Unique across hosts that share a directory: two writers never share a temporary file.
-        self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
 
     def _each(self, function, *columns) -> list:
         if self._threads is None or len(columns[0]) < 2:
             return list(map(function, *columns))
         return list(self._threads.map(function, *columns))
 
-    def read_into(self, keys, slot_ids, deadline) -> list[str | None]:
-        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids], locations)
 
-    def write_from(self, keys, slot_ids, deadline) -> list[str | None]:
-        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids], locations)
 
-    def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, place: int) -> str | None:
         try:
-            return self.read(key, out)
+            return self.read(key, out, place)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
-    def _write_guarded(self, key: bytes, payload: memoryview) -> str | None:
+    def _write_guarded(self, key: bytes, payload: memoryview, place: int) -> str | None:
         try:
-            self.write(key, payload)
+            self.write(key, payload, place)
             return None
         except Exception as error:
             return f"write failed: {error!r}"
 
-    def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=True)
-
-    def path(self, key: bytes) -> Path:
-        return entry_path(self.root, self.rank_fingerprint, key)
-
-    def write(self, key: bytes, payload: memoryview) -> None:
-        """Write one entry atomically (temporary file, then rename). Raises OSError."""
-        path = self.path(key)
-        parent = str(path.parent)
-        if parent not in self._made_dirs:
-            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
-            with self._lock:
-                self._made_dirs.add(parent)
+    def write(self, key: bytes, payload: memoryview, place: int) -> None:
+        """Write one entry into its place: the payload, then the header that makes it valid."""
+        offset = place * self.entry_bytes
         header = encode_header(self.rank_fingerprint, key, payload)
-        temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
-        try:
-            try:
-                written = os.writev(fd, [header, payload])
-            finally:
-                os.close(fd)
-            if written != HEADER_BYTES + len(payload):
-                raise OSError(f"short write to {temporary}: {written} bytes")
-            os.replace(temporary, path)  # the entry appears whole, or not at all
-        except BaseException:
-            _unlink_quietly(temporary)
-            raise
+        if os.pwritev(self._fd, [payload], offset + HEADER_BYTES) != len(payload):
+            raise OSError(f"short write to {self.path}")
+        # Header last: before this, the place's old header does not match the new payload.
+        if os.pwrite(self._fd, header, offset) != HEADER_BYTES:
+            raise OSError(f"short write to {self.path}")
 
-    def read(self, key: bytes, out: memoryview) -> str | None:
+    def read(self, key: bytes, out: memoryview, place: int) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss.
 
         On failure ``out`` holds garbage and must not be used.
         """
         header = bytearray(HEADER_BYTES)
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return "missing"
-        except OSError as error:
-            return f"unreadable: {error}"
-        try:
-            size = os.fstat(fd).st_size
-            if size != HEADER_BYTES + len(out):
-                return f"truncated or wrong size ({size} bytes)"
-            got = os.readv(fd, [header, out])
-        except OSError as error:
-            return f"unreadable: {error}"
-        finally:
-            os.close(fd)
+        got = os.preadv(self._fd, [header, out], place * self.entry_bytes)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
         return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
 
-
-def _unlink_quietly(path: str | os.PathLike) -> None:
-    try:
-        os.unlink(path)
-    except OSError:  # gone already, or not a file kvtier wrote: either way not an entry any more
-        pass
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+        os.close(self._fd)

@@ -178,7 +178,7 @@ class PoolStore(TierStore):
         self.client.register(host_slots.ctypes.data, host_slots.nbytes)
         self.client.register(self._headers.ctypes.data, self._headers.nbytes)
 
-    def read_into(self, keys, slot_ids, deadline) -> list[str | None]:
+    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         names = [pool_key(self.rank_fingerprint, key) for key in keys]
         found = self.client.call("get_into", names, [memoryview(self._headers[s]) for s in slot_ids],
                                  [memoryview(self.host[s]) for s in slot_ids])
@@ -188,7 +188,7 @@ class PoolStore(TierStore):
                 if hit else "missing or wrong size in the storage pool"
                 for key, slot, hit in zip(keys, slot_ids, found)]
 
-    def write_from(self, keys, slot_ids, deadline) -> list[str | None]:
+    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         for key, slot in zip(keys, slot_ids):
             self._headers[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot]), np.uint8)
         stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],

@@ -1,9 +1,9 @@
 """Shared-filesystem tier (``file:///path``): a directory that several instances mount.
 
 NFS, a Kubernetes volume, a FUSE mount of a distributed filesystem: any directory
-that every instance sees. Entries are the disk tier's, in the same layout
-(``<dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, header then payload),
-written atomically (a temporary file named by host, process and thread, renamed
+that every instance sees. Entries are files, one per block and rank
+(``<dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, header then payload;
+``kvtier.tiers.entry_files``), written atomically (a temporary file named by host, process and thread, renamed
 into place), so a reader sees a whole entry or none, and checks it before use.
 
 No instance owns the directory, so the index keeps no list: existence is asked of
@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvtier.entry import HEADER_BYTES
 from kvtier.tiers.base import ExistenceIndex, TierSpec
-from kvtier.tiers.disk import DiskStore, entry_path
+from kvtier.tiers.entry_files import EntryFiles, entry_path
 from kvtier.units import parse_bytes
 
 logger = logging.getLogger("kvtier.shared_dir")
@@ -75,7 +75,7 @@ def _size(path: Path) -> int:
         return -1
 
 
-class SharedDirStore(DiskStore):
+class SharedDirStore(EntryFiles):
     def __init__(self, root: str, rank_fingerprint: bytes, slot_bytes: int, threads: int, max_bytes: int | None):
         super().__init__(root, rank_fingerprint, slot_bytes, threads)
         self.max_bytes = max_bytes

@@ -52,11 +52,12 @@ class LoadPath:
             blocks = [job.fill_block_ids[i] for i in indices]
             slots = [job.fill_slot_ids[i] for i in indices]
             keys = [job.fill_keys[i] for i in indices]
+            locations = [job.fill_locations[i] for i in indices] if job.fill_locations else [-1] * len(keys)
             filled = partial(self._filled, load, blocks, slots, keys)
             if self.io is None:
                 filled([unavailable("no I/O process")] * len(keys))
             else:
-                self.io.submit(tier, False, keys, slots, load.deadline, filled)
+                self.io.submit(tier, False, keys, slots, locations, load.deadline, filled)
 
     def submit_layers(self, job: LoadJob) -> None:
         """Layer-wise load of host-resident blocks: every layer's copy is submitted now,

@@ -100,7 +100,8 @@ class StorePath:
             if self.io is None:
                 written([unavailable("no I/O process")] * len(keys))
             else:
-                self.io.submit(tier, True, keys, job.slots_of(keys), deadline, written)
+                self.io.submit(tier, True, keys, job.slots_of(keys), job.write_locations.get(tier, [-1] * len(keys)),
+                               deadline, written)
 
     def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
         """The I/O process answered one tier's writes (on its receiver thread)."""

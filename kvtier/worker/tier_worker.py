@@ -64,7 +64,7 @@ class TierWorker:
         self.book = JobBook(self.transfers)
         specs = tier_specs(config) if self.is_source else []  # replicated KV: other ranks never touch a tier
         self.io = IOProcess(self.memory.fd, specs, self.rank_fingerprint, self.layout.slot_bytes,
-                            self.num_slots) if specs else None
+                            self.num_slots, config.shutdown_flush_s) if specs else None
         self.verifier = self.replicated = None
         if config.verify_loads:  # test mode, wrapped around the paths through three hooks
             from kvtier.verify import LoadVerifier

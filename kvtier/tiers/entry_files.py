@@ -1,0 +1,131 @@
+"""Entries as files, one per block and rank: how the shared-filesystem tier stores them.
+
+Layout: ``<dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, a 64-byte
+``kvtier.entry`` header then the slot's bytes. Files and folders are created
+readable by their owner only. A write goes to a temporary file (named by host,
+process and thread, so that writers on several hosts never share one) that is
+renamed into place: a reader sees a whole entry or none, and checks it before use.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.tiers.base import TierStore
+
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+
+
+def entry_path(root, rank_fingerprint: bytes, key: bytes) -> Path:
+    key_hex = key.hex()
+    return Path(root) / rank_fingerprint.hex() / key_hex[:2] / key_hex
+
+
+class EntryFiles(TierStore):
+    """One rank's entries, one file each. Thread-safe; runs in kvtier's I/O process.
+
+    A batch is spread over ``threads`` threads: file I/O releases the GIL, so several
+    entries are in the kernel at once."""
+
+    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
+        self.root = Path(root)
+        self.rank_fingerprint = rank_fingerprint
+        self.slot_bytes = slot_bytes
+        (self.root / rank_fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self._made_dirs: set[str] = set()
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
+        # Unique across hosts that share a directory: two writers never share a temporary file.
+        self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
+
+    def _each(self, function, *columns) -> list:
+        if self._threads is None or len(columns[0]) < 2:
+            return list(map(function, *columns))
+        return list(self._threads.map(function, *columns))
+
+    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+
+    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+
+    def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
+        try:
+            return self.read(key, out)
+        except Exception as error:  # every block gets an outcome, whatever the filesystem raises
+            return f"read failed: {error!r}"
+
+    def _write_guarded(self, key: bytes, payload: memoryview) -> str | None:
+        try:
+            self.write(key, payload)
+            return None
+        except Exception as error:
+            return f"write failed: {error!r}"
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+
+    def path(self, key: bytes) -> Path:
+        return entry_path(self.root, self.rank_fingerprint, key)
+
+    def write(self, key: bytes, payload: memoryview) -> None:
+        """Write one entry atomically (temporary file, then rename). Raises OSError."""
+        path = self.path(key)
+        parent = str(path.parent)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
+            with self._lock:
+                self._made_dirs.add(parent)
+        header = encode_header(self.rank_fingerprint, key, payload)
+        temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        try:
+            try:
+                written = os.writev(fd, [header, payload])
+            finally:
+                os.close(fd)
+            if written != HEADER_BYTES + len(payload):
+                raise OSError(f"short write to {temporary}: {written} bytes")
+            os.replace(temporary, path)  # the entry appears whole, or not at all
+        except BaseException:
+            _unlink_quietly(temporary)
+            raise
+
+    def read(self, key: bytes, out: memoryview) -> str | None:
+        """Read one entry into ``out``; None on success, else why it is a miss.
+
+        On failure ``out`` holds garbage and must not be used.
+        """
+        header = bytearray(HEADER_BYTES)
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as error:
+            return f"unreadable: {error}"
+        try:
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + len(out):
+                return f"truncated or wrong size ({size} bytes)"
+            got = os.readv(fd, [header, out])
+        except OSError as error:
+            return f"unreadable: {error}"
+        finally:
+            os.close(fd)
+        if got != HEADER_BYTES + len(out):
+            return f"truncated ({got} bytes read)"
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # gone already, or not a file kvtier wrote: either way not an entry any more
+        pass
