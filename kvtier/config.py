@@ -92,12 +92,13 @@ KEYS: dict[str, _Key] = {
     "host_bytes": _Key(
         "1GiB", parse_bytes, lambda v: v > 0,
         "a byte count > 0, as an integer or a string such as '4GiB'",
-        "Size of the host memory pool (the first tier). Pinned when the device is CUDA."),
+        "Size of the host memory pool (the first tier), shared memory that kvtier's I/O process maps too. "
+        "Pinned when the device is CUDA."),
     "disk_dir": _Key(
         _default_disk_dir(), _parse_optional_str, lambda v: True,
         "a directory path, or null to disable the disk tier",
-        "Directory of the disk tier (the embedded default's second tier); null disables it. "
-        "Default: $XDG_CACHE_HOME/kvtier."),
+        "Directory of the local disk tier (the embedded default's second tier), one instance's own: a second "
+        "instance on the same directory stops at start-up. Null disables it. Default: $XDG_CACHE_HOME/kvtier."),
     "disk_bytes": _Key(
         "16GiB", parse_bytes, lambda v: v > 0,
         "a byte count > 0, as an integer or a string such as '100GiB'",
@@ -111,7 +112,7 @@ KEYS: dict[str, _Key] = {
         "Also store a prompt's last, partial block under its own key."),
     "disk_io_threads": _Key(
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
-        "Threads that read and write disk entries, off the engine's step."),
+        "Threads per tier in kvtier's I/O process (its own interpreter) that read and write entries."),
     "copy_threads": _Key(
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
         "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.entry import HEADER_BYTES
-from kvtier.tiers.disk import DiskInUse, DiskIndex, DiskStore, entries_file
+from kvtier.tiers.disk import DiskIndex, DiskStore, entries_file
 from kvtier.tiers.entry_files import EntryFiles
 
 FP = b"\x11" * 16
@@ -81,12 +81,23 @@ def test_a_new_process_finds_the_entries_again(disk_dir):
     assert index.prepare_store([key(7)]) == [key(7)] and index.location(key(7)) not in (0, 1, 2, 4)
 
 
-def test_two_instances_never_share_one_disk_directory(disk_dir):
-    first = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
-    with pytest.raises(DiskInUse, match="disk_dir"):
-        DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
+def test_instances_on_one_directory_each_take_a_file_and_a_restart_takes_one_back(disk_dir):
+    """Two instances with the same disk_dir (vLLM servers of one node, default settings)
+    never write each other's places; after a restart each finds its entries again."""
+    first, second = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP]), DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
+    assert (first.file_number, second.file_number) == (0, 1)
+    store = DiskStore(disk_dir, FP, SLOT)
+    for index, i in ((first, 1), (second, 2)):
+        index.prepare_store([key(i)])
+        store.write(key(i), memoryview(payload(i)), index.location(key(i)))
+        index.complete_store([key(i)])
+    assert first.location(key(1)) != second.location(key(2))
     first.close()
-    DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP]).close()  # free again once the first is closed
+    again = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])  # file 0 is free again; file 1 is still held
+    assert again.file_number == 0 and again.lookup([key(1), key(2)]) == [True, False]
+    assert read(store, 1, again.location(key(1)))[0] is None
+    second.close()
+    again.close()
 
 
 def test_capacity_evicts_least_recently_used_unpinned(disk_dir):

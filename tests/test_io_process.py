@@ -41,7 +41,7 @@ def _wait_until(condition, timeout: float) -> bool:
 
 def _entries(disk_dir: str, fingerprint: bytes, keys) -> list[bool]:
     """Which keys' entries are on disk (a place's header is written after its payload)."""
-    on_disk = {key for path, _, key, _ in entries_in(disk_dir) if path.parent.name == fingerprint.hex()}
+    on_disk = {key for path, _, key, _, _ in entries_in(disk_dir) if path.parent.name == fingerprint.hex()}
     return [key in on_disk for key in keys]
 
 
@@ -169,5 +169,5 @@ def test_sigkill_of_the_engine_takes_the_io_process_and_leaves_no_half_written_e
     entries = entries_in(disk_dir)
     assert entries, "the engine wrote nothing before it was killed"
     out = np.empty(store.slot_bytes, np.uint8)
-    for _, offset, key, _ in entries:  # each entry present is whole and checks out
-        assert store.read(key, memoryview(out), offset // store.entry_bytes) is None
+    for _, _, key, _, location in entries:  # each entry present is whole and checks out
+        assert store.read(key, memoryview(out), location) is None

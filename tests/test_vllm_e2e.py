@@ -122,7 +122,7 @@ def test_a_corrupt_disk_entry_is_recomputed_and_counted(workdir, model, restarte
     disk = workdir / "disk"
     entries = entries_in(disk)
     assert entries
-    for path, offset, _, length in entries:  # damage every entry's payload: none may be attended to
+    for path, offset, _, length, _ in entries:  # damage every entry's payload: none may be attended to
         with open(path, "r+b") as file:
             file.seek(offset + HEADER_BYTES + length - 1)
             last = file.read(1)[0]

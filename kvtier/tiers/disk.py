@@ -1,7 +1,7 @@
 """Local disk tier: a directory of this instance's own. Torch-free.
 
 Each rank's entries live in one preallocated, sparse file,
-``<disk_dir>/<rank fingerprint hex>/entries.kvtier``, cut into fixed-size places
+``<disk_dir>/<rank fingerprint hex>/entries-<n>.kvtier``, cut into fixed-size places
 of one ``kvtier.entry`` each (a 64-byte header, then the slot's bytes). A place is
 written with two positioned writes, the payload first and the header last: until
 the header lands, the place still carries its previous header, whose checksum
@@ -11,9 +11,11 @@ No file is created per block: a write costs what the bytes cost.
 The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which key is in which place (found again
   at start-up from the places' headers), pins for loads in flight, LRU eviction
-  within ``disk_bytes``. It holds an exclusive lock on the files, so that two
-  instances never write each other's places (share a directory between
-  instances with ``remote_url: file:///...`` instead).
+  within ``disk_bytes``. It holds an exclusive lock on its files: several
+  instances on one directory (vLLM servers on the GPUs of one node, all with the
+  default ``disk_dir``) each take a file of their own, ``n`` = 0, 1, ..., and at a
+  restart each takes back the first file no running instance holds. Instances
+  that should share entries share a directory through ``remote_url: file:///...``.
 - ``DiskStore`` runs in kvtier's I/O process: reads and writes places on its own
   threads, never on the engine's interpreter.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +36,11 @@ from kvtier.tiers.base import TierIndex, TierSpec, TierStore
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
-FILE_NAME = "entries.kvtier"
+FILE_BITS = 40  # a location is (file number << FILE_BITS) | place
 
 
-def entries_file(root, rank_fingerprint: bytes) -> Path:
-    return Path(root) / rank_fingerprint.hex() / FILE_NAME
+def entries_file(root, rank_fingerprint: bytes, number: int = 0) -> Path:
+    return Path(root) / rank_fingerprint.hex() / f"entries-{number}.kvtier"
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> "DiskIndex":
@@ -46,10 +49,6 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "DiskStore":
     return DiskStore(spec.location, rank_fingerprint, slot_bytes, spec.threads)
-
-
-class DiskInUse(ValueError):
-    """Another process holds this disk directory's entries."""
 
 
 class DiskIndex(TierIndex):
@@ -79,24 +78,29 @@ class DiskIndex(TierIndex):
         self.num_discarded = 0
         self._fds: list[int] = []
         self._closer = weakref.finalize(self, _close_all, self._fds)  # closed with the index, or when it goes
-        for fingerprint in self.rank_fingerprints:
-            self._fds.append(self._open(fingerprint))
+        self.file_number = 0
+        while not self._open_files(self.file_number):  # held by a running instance: the next one
+            self.file_number += 1
         self._scan()
 
-    def _open(self, fingerprint: bytes) -> int:
-        path = entries_file(self.root, fingerprint)
-        path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DiskInUse(f"kvtier config: key 'disk_dir' ({self.root}) is in use by another kvtier instance "
-                            f"({path} is locked); give each instance a disk_dir of its own, and share entries "
-                            f"between instances with remote_url: file:///<dir>") from None
-        if os.fstat(fd).st_size < self.capacity_entries * self.entry_bytes:
-            os.ftruncate(fd, self.capacity_entries * self.entry_bytes)  # sparse: no space is used until written
-        return fd
+    def _open_files(self, number: int) -> bool:
+        """Open and lock file ``number`` of every rank; False (nothing held) if another instance has one."""
+        opened = []
+        for fingerprint in self.rank_fingerprints:
+            path = entries_file(self.root, fingerprint, number)
+            path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                _close_all(opened)
+                return False
+            if os.fstat(fd).st_size < self.capacity_entries * self.entry_bytes:
+                os.ftruncate(fd, self.capacity_entries * self.entry_bytes)  # sparse: no space used until written
+            opened.append(fd)
+        self._fds.extend(opened)
+        return True
 
     def _scan(self) -> None:
         """Find the entries a previous process left: a key counts where every rank's place holds it."""
@@ -133,7 +137,7 @@ class DiskIndex(TierIndex):
         return found
 
     def location(self, key: bytes) -> int:
-        return self._place_of[key]
+        return (self.file_number << FILE_BITS) | self._place_of[key]
 
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._ready), "evictions": self.num_evictions, "discarded": self.num_discarded}
@@ -209,11 +213,11 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def entries_in(root) -> list[tuple[Path, int, bytes, int]]:
-    """(file, offset, key, payload bytes) of every place under ``root`` whose header names a
-    kvtier entry of its file's namespace. Headers only: a payload may still fail its checksum."""
+def entries_in(root) -> list[tuple[Path, int, bytes, int, int]]:
+    """(file, offset, key, payload bytes, location) of every place under ``root`` whose header
+    names a kvtier entry of its file's namespace. Headers only: a payload may still fail its checksum."""
     found = []
-    for path in sorted(Path(root).glob(f"*/{FILE_NAME}")):
+    for path in sorted(Path(root).glob("*/entries-*.kvtier")):
         fingerprint = bytes.fromhex(path.parent.name)
         with open(path, "rb") as file:
             first = read_header_length(file.read(HEADER_BYTES))  # place 0 is the first one written
@@ -224,7 +228,8 @@ def entries_in(root) -> list[tuple[Path, int, bytes, int]]:
             for place in _written_places(file.fileno(), entry_bytes, capacity):
                 key = read_header(os.pread(file.fileno(), HEADER_BYTES, place * entry_bytes), fingerprint, first)
                 if key is not None:
-                    found.append((path, place * entry_bytes, key, first))
+                    number = int(path.name.split("-")[1].split(".")[0])
+                    found.append((path, place * entry_bytes, key, first, (number << FILE_BITS) | place))
     return found
 
 
@@ -249,13 +254,13 @@ class DiskStore(TierStore):
     the GIL, so several entries are in the kernel at once."""
 
     def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
-        self.path = entries_file(root, rank_fingerprint)
+        self.root = root
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
         self.entry_bytes = HEADER_BYTES + slot_bytes
-        self.path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        # The index made and sized the file; opened here without truncating, never locked.
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+        entries_file(root, rank_fingerprint).parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self._fds: dict[int, int] = {}  # file number -> descriptor, opened at first use
+        self._fds_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
 
     def _each(self, function, *columns) -> list:
@@ -269,36 +274,48 @@ class DiskStore(TierStore):
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids], locations)
 
-    def _read_guarded(self, key: bytes, out: memoryview, place: int) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, location: int) -> str | None:
         try:
-            return self.read(key, out, place)
+            return self.read(key, out, location)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
-    def _write_guarded(self, key: bytes, payload: memoryview, place: int) -> str | None:
+    def _write_guarded(self, key: bytes, payload: memoryview, location: int) -> str | None:
         try:
-            self.write(key, payload, place)
+            self.write(key, payload, location)
             return None
         except Exception as error:
             return f"write failed: {error!r}"
 
-    def write(self, key: bytes, payload: memoryview, place: int) -> None:
-        """Write one entry into its place: the payload, then the header that makes it valid."""
-        offset = place * self.entry_bytes
-        header = encode_header(self.rank_fingerprint, key, payload)
-        if os.pwritev(self._fd, [payload], offset + HEADER_BYTES) != len(payload):
-            raise OSError(f"short write to {self.path}")
-        # Header last: before this, the place's old header does not match the new payload.
-        if os.pwrite(self._fd, header, offset) != HEADER_BYTES:
-            raise OSError(f"short write to {self.path}")
+    def _file(self, location: int) -> tuple[int, int]:
+        """(descriptor, byte offset) of a location. The index made and sized the file, and locks
+        it; here it is opened without truncating, never locked."""
+        number, place = location >> FILE_BITS, location & ((1 << FILE_BITS) - 1)
+        with self._fds_lock:
+            fd = self._fds.get(number)
+            if fd is None:
+                path = entries_file(self.root, self.rank_fingerprint, number)
+                fd = self._fds[number] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+        return fd, place * self.entry_bytes
 
-    def read(self, key: bytes, out: memoryview, place: int) -> str | None:
+    def write(self, key: bytes, payload: memoryview, location: int) -> None:
+        """Write one entry into its place: the payload, then the header that makes it valid."""
+        fd, offset = self._file(location)
+        header = encode_header(self.rank_fingerprint, key, payload)
+        if os.pwritev(fd, [payload], offset + HEADER_BYTES) != len(payload):
+            raise OSError(f"short write at {offset} in disk tier file {location >> FILE_BITS}")
+        # Header last: before this, the place's old header does not match the new payload.
+        if os.pwrite(fd, header, offset) != HEADER_BYTES:
+            raise OSError(f"short write at {offset} in disk tier file {location >> FILE_BITS}")
+
+    def read(self, key: bytes, out: memoryview, location: int) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss.
 
         On failure ``out`` holds garbage and must not be used.
         """
         header = bytearray(HEADER_BYTES)
-        got = os.preadv(self._fd, [header, out], place * self.entry_bytes)
+        fd, offset = self._file(location)
+        got = os.preadv(fd, [header, out], offset)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
         return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
@@ -306,4 +323,4 @@ class DiskStore(TierStore):
     def close(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
-        os.close(self._fd)
+        _close_all(list(self._fds.values()))
