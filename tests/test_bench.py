@@ -1,9 +1,11 @@
-"""The benchmarks' engine-free parts run, check their bytes, and report the keys
+"""The benchmarks run, check their bytes, and report the keys
 they promise. Speed is reported by them, never asserted here."""
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from kvtier.bench import layerwise
 
@@ -21,3 +23,14 @@ def test_bench_layerwise_moves_exact_bytes_and_reports_the_overlap():
     result = layerwise.run(num_layers=3, num_blocks=16, repeats=1)
     assert result["exact"]
     assert 0.0 <= result["overlap_fraction"] <= 1.0 and 0.0 <= result["load_overlap_fraction"] <= 1.0
+
+
+@pytest.mark.vllm
+def test_bench_tiers_reports_every_promised_key(tmp_path):
+    """Two engine processes (the disk tier, quick size): the keys, and every block served."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--quick", "--tiers", "disk",
+                          "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, check=True)
+    tier = json.loads(out.stdout)["tiers"]["disk"]
+    for key in ("hit_ttft_s", "own_prefix_cache_ttft_s", "raw_read_gbps", "floor_s", "hit_vs_floor"):
+        assert tier[key] > 0, key
+    assert tier["blocks_served_fraction"] == 1.0 and tier["tier_hit_tokens"] > 0

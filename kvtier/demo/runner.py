@@ -112,6 +112,9 @@ def drain(llm, timeout: float = 60.0) -> None:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    from kvtier.integrations.vllm.cpu_features import allow_amx_tiles
+
+    allow_amx_tiles()  # every engine of this harness, the ones without kvtier included
     from vllm import SamplingParams
 
     from kvtier.demo.engine import make_llm

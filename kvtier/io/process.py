@@ -19,6 +19,7 @@ the engine's process group are not for it: its worker decides when it stops.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -36,6 +37,8 @@ from kvtier.tiers.base import TierSpec, unavailable
 from kvtier.tiers.registry import make_store
 
 logger = logging.getLogger("kvtier.io")
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters
 
 
 class _Server:
@@ -112,6 +115,18 @@ class _Server:
             return queued, self._in_flight
 
 
+def _keep_large_buffers_in_the_heap() -> None:
+    """Pool clients allocate a block-sized buffer per value and free it at once; by default
+    glibc maps each one fresh (page faults, zeroing) and unmaps it again, which costs about
+    as much as moving the bytes. These bounds keep such buffers in the heap for reuse."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest allowed value
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):  # not glibc: its allocator's defaults stand
+        pass
+
+
 def _watch_parent(parent_pid: int, server: "_Server", drain_s: float) -> None:
     """Notice the worker's death even if a process it forked still holds the socket."""
     while os.getppid() == parent_pid:
@@ -126,6 +141,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past a file-size limit a write fails (EFBIG), it does not kill
+    _keep_large_buffers_in_the_heap()
     setup = receive(sock)
     if not isinstance(setup, Setup) or os.getppid() != setup.parent_pid:
         os._exit(2)  # not started by a live worker

