@@ -52,7 +52,7 @@ def _tier(kind: str, workdir: Path):
     """(kvtier settings with this tier alone below the host pool, a raw reader of its bytes)."""
     base = {"host_bytes": "1GiB", "disk_dir": None}
     if kind in ("disk", "file"):
-        root = workdir / f"tier-{kind}"
+        root = (workdir / f"tier-{kind}").resolve()
         shutil.rmtree(root, ignore_errors=True)
         yield ({**base, "disk_dir": str(root)} if kind == "disk" else {**base, "remote_url": f"file://{root}"},
                lambda blocks, size: _raw_file_read(root.parent, blocks, size))

@@ -128,14 +128,17 @@ def main(spec_path: str, out_path: str) -> None:
     result = {"startup_s": time.perf_counter() - began, "phases": []}
     engine = llm.llm_engine
     if spec.get("warmup", True):
-        # The first forward in a process is slow: keep it out of every measurement.
+        # First uses are slow: the first forward, the first over a cached prefix (another
+        # attention path) and the first sampling with logprobs (about 2 s here). The same
+        # prompt twice, sampled as the phases sample, keeps them out of every measurement.
         warmup = random.Random(12345)
-        run_sequential(engine, [[warmup.randrange(3, 1000) for _ in range(64)]], SamplingParams(max_tokens=2))
+        prompt = [warmup.randrange(3, 1000) for _ in range(160)]
+        run_sequential(engine, [prompt, prompt], _sampling(SamplingParams, 2))
         drain(llm)
     for index, phase in enumerate(spec["phases"]):
         if phase.get("wait_for"):  # another process (a test) prepares something between phases
             _wait_for_file(phase["wait_for"])
-        params = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, ignore_eos=True, logprobs=1)
+        params = _sampling(SamplingParams, phase.get("max_tokens", 6))
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # so that hits come from the connector, not vLLM's own cache
         inspect = spec.get("connector") == "kvtier" and in_process
@@ -162,6 +165,11 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("connector") == "kvtier" and in_process:
         result["kvtier"] = kvtier_state(llm)
     json.dump(result, open(out_path, "w"))
+
+
+def _sampling(sampling_params, max_tokens: int):
+    """Greedy, every token kept, with the first token's logprob (tests compare them)."""
+    return sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
 
 
 def _wait_for_file(path: str, timeout: float = 300.0) -> None:

@@ -60,7 +60,13 @@ class CpuCopier(DeviceCopier):
         # store after each layer) returns at once.
         self._tasks.put((self._copy, job, on_done))
 
-    def _copy(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
+    def start_inline(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> bool:
+        # On the caller's thread, in one part: no handoff to a copy thread, each of which costs
+        # up to a GIL switch interval while the engine's thread is busy.
+        self._copy(job, on_done, split=False)
+        return True
+
+    def _copy(self, job: TransferJob, on_done: Callable[[TransferResult], None], split: bool = True) -> None:
         began = time.perf_counter()
         try:
             segments = self._segments.get(job.tensor_indices)
@@ -73,7 +79,7 @@ class CpuCopier(DeviceCopier):
         except Exception as error:  # a bad job is a failed job, reported once
             on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
             return
-        if self._num_threads == 1 or block_ids.size < 2:
+        if not split or self._num_threads == 1 or block_ids.size < 2:
             # One part: copied here and reported at once. The shortest path: the copy thread
             # holds the GIL around the copy as briefly as it can (a layer-wise job's compute
             # thread may be waiting for it between two ops).

@@ -55,6 +55,11 @@ class DeviceCopier(ABC):
         """Results of jobs whose completion is detected by polling (CUDA events)."""
         return []
 
+    def start_inline(self, job: TransferJob, on_done) -> bool:
+        """Copy ``job`` on the calling thread and call ``on_done`` before returning, where the
+        device can (False: nothing was done, use ``start``)."""
+        return False
+
     @abstractmethod
     def job_bytes(self, job: TransferJob) -> int: ...
 
@@ -78,7 +83,9 @@ class TransferEngine:
         self._done = threading.Condition(self._lock)
         self._suspended = False  # sleep mode: the device memory is released
 
-    def submit(self, job: TransferJob) -> int:
+    def submit(self, job: TransferJob, inline: bool = False) -> int:
+        """Start ``job``; with ``inline``, copy it on this thread where the device can (a thread
+        of kvtier's own that would otherwise hand it to a copy thread and wait)."""
         if job.job_id < 0:
             job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices)
         with self._lock:
@@ -87,7 +94,8 @@ class TransferEngine:
         try:
             if copier is None:
                 raise RuntimeError("the KV cache is released (sleep mode): no device copy until it is restored")
-            copier.start(job, self._complete)
+            if not (inline and copier.start_inline(job, self._complete)):
+                copier.start(job, self._complete)
         except Exception as error:  # a failed submission is a failed job, reported once
             self._complete(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
         return job.job_id

@@ -72,9 +72,9 @@ class JobBook:
         return transfer
 
     def submit_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
-                        tensor_indices: tuple[int, ...] | None = None) -> int:
+                        tensor_indices: tuple[int, ...] | None = None, inline: bool = False) -> int:
         transfer = self.registered_transfer(block_ids, slot_ids, to_host, owner, tensor_indices)
-        self.transfers.submit(transfer)
+        self.transfers.submit(transfer, inline)
         return transfer.job_id
 
     def store_transfers(self, store_job_ids) -> set[int]:

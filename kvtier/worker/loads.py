@@ -26,8 +26,10 @@ logger = logging.getLogger("kvtier.worker")
 
 
 class LoadPath:
-    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, verifier=None, replicated=None):
+    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, advance, verifier=None,
+                 replicated=None):
         self.book = book
+        self.advance = advance  # moves on every job whose copies have finished (the worker's)
         self.io = io  # IOProcess, or None where this worker reads no tier
         self.load_timeout_s = load_timeout_s
         self.num_layers = num_layers
@@ -117,11 +119,14 @@ class LoadPath:
             if last and abandoned:  # the late reads are over: the held slots may now be reused
                 self.book.release(load.job.fill_slot_ids)
         if last and not abandoned:  # every fill has landed in its slot: the slots may now be read
-            self._submit_copy(load)
+            # On this thread, start to end where the device allows (CPU): each handoff to another
+            # thread costs up to a GIL switch interval while the engine's thread is busy.
+            self._submit_copy(load, inline=True)
+            self.advance()
 
-    def _submit_copy(self, load: Load) -> None:
+    def _submit_copy(self, load: Load, inline: bool = False) -> None:
         blocks, slots = self._usable_ids(load)
-        self.book.submit_transfer(blocks, slots, False, (True, load.job.job_id))
+        self.book.submit_transfer(blocks, slots, False, (True, load.job.job_id), inline=inline)
 
     def copied(self, load: Load, result: TransferResult) -> None:
         """On the progress thread: the host -> device copy is over; report."""

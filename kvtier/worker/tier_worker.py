@@ -73,8 +73,8 @@ class TierWorker:
             from kvtier.replicated import ReplicatedLoads
             self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
-        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.verifier,
-                              self.replicated)
+        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self._advance,
+                              self.verifier, self.replicated)
         self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.is_source,
                                 self.verifier)
         self._closed = False
@@ -149,11 +149,15 @@ class TierWorker:
             self._wake.wait(0.001 if self.device_is_cuda and self.transfers.num_in_flight else 0.05)
             self._wake.clear()
             try:
-                for job, result in self.book.copied():
-                    (self.loads if isinstance(job, Load) else self.stores).copied(job, result)
+                self._advance()
                 self.loads.abandon_overdue(time.monotonic())
             except Exception:  # a bug here must not stop every later job from being reported
                 logger.exception("kvtier: progress thread error")
+
+    def _advance(self) -> None:
+        """Move on every job whose copies have finished (each result is taken by one thread)."""
+        for job, result in self.book.copied():
+            (self.loads if isinstance(job, Load) else self.stores).copied(job, result)
 
     # --- sleep mode: the engine releases the KV cache and maps it again --------
     def suspend_device(self, timeout: float) -> None:
