@@ -138,7 +138,7 @@ class TierManager:
         return None
 
     def _leading_hits(self, keys: Sequence[bytes], found: list[dict[bytes, bool]]) -> tuple[int, int]:
-        """(leading hits, host slots their plan takes out of the pool's available ones).
+        """(leading hits, host slots their plan takes out of the host pool's available ones).
 
         A plan pins its evictable host hits and stages each tier hit through a slot of
         its own; both come out of what the host pool could free now, less what other

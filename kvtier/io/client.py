@@ -161,7 +161,7 @@ class IOProcess:
             self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
             self.disabled = len(self._deaths) > MAX_RESTARTS
         if self.disabled:
-            logger.error("kvtier: the I/O process died %d times in %.0f s; disk and pool tiers are off in this "
+            logger.error("kvtier: the I/O process died %d times in %.0f s; tiers below the host pool are off in this "
                          "worker, blocks are recomputed", len(self._deaths), RESTART_WINDOW_S)
         return not self.disabled
 

@@ -12,7 +12,7 @@ or its engine force-stopped, as ``vllm serve`` does to its engine at SIGTERM), t
 socket's end of file or a new parent process id says so: the process takes no new
 job, finishes the writes it already holds (their bytes are in the host pool,
 which it maps) for at most ``drain_s`` (``shutdown_flush_s``), and exits. Every
-store writes an entry atomically (a file renamed into place, one pool value), so
+store writes an entry atomically (a file renamed into place, one storage-pool value), so
 a write cut short leaves no entry, never half of one. SIGTERM and SIGINT sent to
 the engine's process group are not for it: its worker decides when it stops.
 """
@@ -57,7 +57,7 @@ class _Server:
                 errors[spec.name] = f"{type(error).__name__}: {error}"
                 continue
             self.stores[spec.name] = store
-            # Threads per tier: a slow pool never queues a disk read behind it.
+            # Threads per tier: a slow storage pool never queues a disk read behind it.
             self.threads[spec.name] = ThreadPoolExecutor(max(2, spec.threads), thread_name_prefix=f"io-{spec.name}")
         self._in_flight = 0
         self._idle = threading.Condition()

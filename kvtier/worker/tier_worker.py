@@ -162,7 +162,7 @@ class TierWorker:
     # --- sleep mode: the engine releases the KV cache and maps it again --------
     def suspend_device(self, timeout: float) -> None:
         """Before the KV cache is released: no copy runs or starts until ``resume_device``.
-        The tiers keep every block (host slots, disk, pool); jobs submitted meanwhile fail
+        The tiers keep every block (host slots, disk, storage pool); jobs submitted meanwhile fail
         and their blocks are recomputed. Idempotent."""
         self.transfers.suspend(timeout)
 
