@@ -321,3 +321,26 @@ def test_an_unexpected_error_on_an_io_thread_still_ends_the_job(disk_dir):
     assert engine.manager.host.num_pins == 0 and engine.manager.tier('disk').num_pins == 0
     assert engine.manager.num_pending == 0
     engine.close()
+
+
+def test_a_layerwise_store_done_before_wait_for_save_is_not_stored_again(disk_dir):
+    """Every layer sent after its attention: the job may finish on kvtier's own threads before
+    the engine's wait_for_save submits it whole; that submit must copy and report nothing."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=8)
+    job = engine.manager.plan_store("r", keys_of(range(3)), [5, 6, 7])
+    engine.worker.prepare_store_layers(job)
+    for layer in range(engine.worker.num_layers):
+        engine.worker.submit_store_layer(job, layer)
+    reports = []
+    deadline = time.monotonic() + 10
+    while not reports and time.monotonic() < deadline:
+        reports = engine.worker.poll()  # reported before wait_for_save
+    engine.manager.on_reports(reports)
+    assert len(reports) == 1 and reports[0].success
+    engine.worker.prepare_store_layers(job)  # the next step's start_load_kv, as the connector calls it
+    engine.worker.submit_store(job)  # wait_for_save
+    time.sleep(0.3)
+    assert engine.worker.poll() == [] and engine.worker.num_jobs_in_flight == 0
+    assert engine.manager.num_pending == 0 and engine.manager.host.num_pins == 0
+    engine.close()

@@ -32,6 +32,9 @@ class StorePath:
         self.num_layers = num_layers
         self.is_source = is_source  # replicated KV: only rank 0 stores
         self.verifier = verifier
+        # Layer-wise jobs prepared and not yet submitted whole: their layers may all finish (and
+        # the job be reported, on kvtier's threads) before the engine's ``submit`` of the same job.
+        self._layerwise: set[int] = set()
 
     def submit(self, job: StoreJob) -> None:
         if not self.is_source:  # replicated KV: rank 0 stores it once for every rank
@@ -41,9 +44,12 @@ class StorePath:
             return
         with self.book.lock:
             prepared = self.book.stores.get(job.job_id)
-        if prepared is not None and prepared.layer_transfers is not None:  # layer-wise: the layers not sent yet
-            for layer in range(self.num_layers):
-                self.submit_layer(job, layer)
+            layerwise = job.job_id in self._layerwise
+            self._layerwise.discard(job.job_id)
+        if layerwise:  # the layers not sent yet, if any: a finished job is not stored twice
+            if prepared is not None:
+                for layer in range(self.num_layers):
+                    self._send_layer(prepared, layer)
             return
         with self.book.lock:
             self.book.stores[job.job_id] = Store(job, JobReport(job.job_id, is_load=False, success=True))
@@ -55,7 +61,17 @@ class StorePath:
         if not self.is_source:
             self.submit(job)  # replicated KV: nothing to copy here
             return
-        store = self.prepare_layers(job)
+        with self.book.lock:
+            if job.job_id not in self._layerwise and job.job_id in self.book.stores:
+                return  # submitted whole already
+            store = self.book.stores.get(job.job_id)
+        if store is None:
+            store = self.prepare_layers(job)
+            if store is None:
+                return  # every layer sent and the job reported
+        self._send_layer(store, layer)
+
+    def _send_layer(self, store: Store, layer: int) -> None:
         with self.book.lock:
             transfer, store.layer_transfers[layer] = store.layer_transfers[layer], None
         if transfer is not None:  # each layer is sent once, however often it is asked for
@@ -68,6 +84,8 @@ class StorePath:
             return None
         with self.book.lock:
             store = self.book.stores.get(job.job_id)
+            if store is None and job.job_id in self._layerwise:
+                return None  # prepared before, and every layer is done: nothing to make again
         if store is None:
             block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
             transfers = [self.book.registered_transfer(block_ids, slot_ids, True, (False, job.job_id), (layer,))
@@ -76,6 +94,7 @@ class StorePath:
                           layer_transfers=transfers)
             with self.book.lock:
                 self.book.stores[job.job_id] = store
+                self._layerwise.add(job.job_id)
         return store
 
     def copied(self, store: Store, result: TransferResult) -> None:

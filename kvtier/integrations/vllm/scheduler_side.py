@@ -130,8 +130,10 @@ class SchedulerSide:
         self._layerwise_loads.discard(request.request_id)
         if num_external <= 0:
             return 0, False
+        # A synchronous load leaves vLLM at least one token to compute; a hit of the whole prompt goes
+        # the asynchronous way, where vLLM recomputes the last token itself.
         if self.config.layerwise and not self.config.save_only_first_rank and hit_tokens % self.block_size == 0 and \
-                self.manager.host_hits(keys[start:hit_blocks]) == hit_blocks - start:
+                hit_tokens < num_tokens and self.manager.host_hits(keys[start:hit_blocks]) == hit_blocks - start:
             # All in host memory: load during the forward, layer by layer (a synchronous load).
             self._layerwise_loads.add(request.request_id)
             return num_external, False
