@@ -6,8 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
-
 from kvtier.io.client import IOProcess
 from kvtier.tiers.base import TierSpec
 from kvtier.transfer.host_buffer import SharedHostMemory
@@ -51,6 +49,3 @@ class IOPath:
         self.io.close(10.0)
         self.memory.close()
 
-
-def fill(slots: np.ndarray, seed: int = 0) -> None:
-    slots[:] = np.random.default_rng(seed).integers(0, 256, slots.shape, dtype=np.uint8)

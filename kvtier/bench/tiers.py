@@ -12,13 +12,10 @@ of a tier hit is vLLM's own hit plus the prompt's bytes over that bandwidth.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -26,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench.ttft import _run  # one engine process per run, as every engine benchmark runs it
 from kvtier.demo.model import make_model
 from kvtier.entry import HEADER_BYTES
 from kvtier.servers import local_mooncake, local_redis
@@ -34,17 +32,6 @@ FULL = dict(num_layers=10, hidden_size=640, num_heads=10, num_kv_heads=2, prompt
 QUICK = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, prompts=2, prompt_tokens=1000)
 BLOCK = 64
 TIERS = ("disk", "file", "redis", "mooncake")
-
-
-def _run(spec: dict, workdir: Path, name: str) -> dict:
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    with open(workdir / f"{name}.log", "w") as log:
-        code = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        raise RuntimeError(f"the {name} engine failed; see {workdir / (name + '.log')}")
-    return json.loads(out_path.read_text())
 
 
 @contextmanager
