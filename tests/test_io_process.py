@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.tiers.disk import DiskStore, entries_in
 from tests.test_tiering import Engine, keys_of, layouts, randomize
@@ -99,6 +101,31 @@ def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk
     engine.close()
 
 
+def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_late_reads(disk_dir, monkeypatch):
+    monkeypatch.setattr("kvtier.worker.loads.CHUNK_BYTES", 1)  # one I/O job per block
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=4, load_timeout_s=0.5)
+    randomize(tensors)
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+    engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
+    pid = engine.worker.io.pid
+    os.kill(pid, signal.SIGSTOP)  # its reads hang
+    try:
+        job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
+        assert len(job.fill_block_ids) == 4
+        reports = engine.run([job], engine.worker.submit_load)
+        assert not reports[0].success and sorted(reports[0].failed_block_ids) == [20, 21, 22, 23]
+        assert sorted(reports[0].held_slot_ids) == sorted(job.fill_slot_ids)  # a late read may still write them
+        assert engine.manager.num_held == 4
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _wait_until(lambda: engine.manager.on_released(engine.worker.released_slots()) or
+                       engine.manager.num_held == 0, 10)  # the late reads returned: the slots are free again
+    assert engine.manager.host.num_pins == 0 and engine.worker.num_jobs_in_flight == 0
+    assert engine.worker.io.pid == pid  # a slow process is not a dead one
+    engine.close()
+
+
 def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(disk_dir, caplog):
     engine = Engine(layouts()[0][1], disk_dir, host_blocks=4)
     io = engine.worker.io
@@ -171,3 +198,23 @@ def test_sigkill_of_the_engine_takes_the_io_process_and_leaves_no_half_written_e
     out = np.empty(store.slot_bytes, np.uint8)
     for _, _, key, _, location in entries:  # each entry present is whole and checks out
         assert store.read(key, memoryview(out), location) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.lists(st.one_of(st.none(), st.text(max_size=30)), max_size=20)),
+                min_size=1, max_size=8),
+       st.lists(st.integers(1, 200), min_size=1, max_size=40))
+def test_frames_read_in_pieces_of_any_size_come_out_whole_and_in_order(outcomes, cuts):
+    """The worker reads its I/O process's answers without blocking, in whatever pieces the
+    socket gives (the engine's step and the receiver thread take turns)."""
+    from kvtier.io.messages import FrameReader, Outcome, _LENGTH, _encoder
+
+    messages = [Outcome(job_id, reasons) for job_id, reasons in outcomes]
+    stream = b"".join(_LENGTH.pack(len(body)) + body for body in map(_encoder.encode, messages))
+    reader, got, at = FrameReader(), [], 0
+    for cut in cuts * (len(stream) // sum(cuts) + 1):
+        got += reader.feed(stream[at:at + cut])
+        at += cut
+        if at >= len(stream):
+            break
+    assert got == messages

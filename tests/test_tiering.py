@@ -80,8 +80,17 @@ def randomize(tensors):
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
 
 
+@pytest.fixture(params=["4MiB", "one block"])
+def chunks(request, monkeypatch):
+    """A load's reads in chunks of the default size, or of one block each (many chunks per load,
+    each copied to the device as it arrives)."""
+    if request.param == "one block":
+        monkeypatch.setattr("kvtier.worker.loads.CHUNK_BYTES", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("name, tensors", layouts())
-def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk_dir):
+def test_cache_host_disk_host_cache_round_trip_is_byte_exact(name, tensors, disk_dir, chunks):
     engine = Engine(tensors, disk_dir, host_blocks=6, kind="cross_layer" if name == "cross_layer" else None)
     randomize(tensors)
     blocks = [1, 2, 3, 17, 30, 31]
@@ -150,7 +159,7 @@ def test_a_restart_serves_from_disk(disk_dir):
     second.close()
 
 
-def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir):
+def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir, chunks):
     """Many requests store and load at once; some are abandoned midway by the engine.
 
     An abort never cancels a job in flight (its blocks stay held until it reports),

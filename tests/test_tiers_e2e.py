@@ -113,3 +113,52 @@ def test_vllm_serve_stopped_by_sigterm_flushes_its_last_request(workdir, model, 
         assert answer["choices"][0]["text"] is not None
     assert len(entries_in(disk)) == FULL_BLOCKS
     assert not apps.survivors(marker)
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, reference, layout, tmp_path):
+    """The pool answers a load slowly (a relay holds its replies); the I/O process is killed
+    with SIGKILL while the load is in flight. The request is recomputed, well before
+    ``load_timeout_s``, with the no-connector output; pins go back to zero; a new I/O process
+    takes over; none remains after the run."""
+    import os
+    import signal
+
+    from tests.e2e.relay import Relay
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        base = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True, "load_timeout_s": 60}
+        spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": layout}
+        apps.run_app(workdir, f"kill-{layout}-a", {**spec, "extra": {**base, "remote_url": server.url},
+                                                   "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
+        host, port = server.url.split("//")[1].split(":")
+        relay = Relay((host, int(port.split("/")[0])), arm_on=b"\r\nGET\r\n", delay_s=2.0)
+        marker = f"{workdir.name}/kill-{layout}-b"
+        killed = []
+
+        def kill_the_io_process_mid_load():
+            relay.armed.wait(300)  # the load's reads have been sent; their answers are held back
+            for pid, cmdline in apps.marked(marker):
+                if "kvtier.io.process" in cmdline:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+        killer = threading.Thread(target=kill_the_io_process_mid_load, daemon=True)
+        killer.start()
+        try:
+            began = time.monotonic()
+            second = apps.run_app(workdir, f"kill-{layout}-b", {**spec, "extra": {
+                **base, "remote_url": f"redis://127.0.0.1:{relay.port}/0"}, "phases": [{"prompts": [PROMPT]}]})
+            took = time.monotonic() - began
+        finally:
+            relay.armed.set()
+            relay.close()
+        killer.join()
+    assert len(killed) == 1  # exactly the one I/O process of the one worker
+    out = second["phases"][0]["outputs"]["0"]
+    assert out["tokens"] == reference
+    assert took < base["load_timeout_s"]  # the failed load was given up at once, not at its deadline
+    if layout == "in_process":
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == FULL_BLOCKS * BLOCK  # it was planned
+        assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["verify_failures"] == 0
+        assert second["kvtier"]["io_restarts"] == 1

@@ -97,6 +97,7 @@ def kvtier_state(llm) -> dict:
             "transfers_in_flight": worker.tier_worker.transfers.num_in_flight,
             "open_send_waits": worker.num_send_waits,
             "verify_failures": worker.tier_worker.num_verify_failures,
+            "io_restarts": worker.tier_worker.io.num_exits if worker.tier_worker.io is not None else 0,
         }),
     }
 

@@ -1,8 +1,8 @@
 """The worker's handle on its I/O process: start it, send it jobs, take its answers.
 
-``submit`` sends a small message and returns; the answer arrives on this class's
-receiver thread, which calls the job's callback with one reason per block (None:
-done). If the I/O process dies (a store client crashed), every job it held is
+``submit`` sends a small message and returns; the answer is read by whichever
+thread comes first, this class's receiver thread or the engine's step (``pump``),
+which calls the job's callback with one reason per block (None: done). If the I/O process dies (a store client crashed), every job it held is
 answered as failed at once, which is safe: a dead process writes nothing more
 into the host pool. A new process is started; after ``MAX_RESTARTS`` deaths
 within ``RESTART_WINDOW_S`` the tiers are switched off with one log line, and
@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import mmap
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvtier.io.messages import Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import FrameReader, Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 
 logger = logging.getLogger("kvtier.io")
@@ -30,25 +32,69 @@ logger = logging.getLogger("kvtier.io")
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 START_TIMEOUT_S = 120.0
+PUMP_GRACE_S = 0.002  # an answer is left this long to a stepping engine before the receiver takes it
 
 Callback = Callable[[list], None]
+
+
+class _Channel:
+    """One I/O process's socket, read without blocking by whichever thread comes first."""
+
+    def __init__(self, sock: socket.socket, process: subprocess.Popen):
+        self.sock, self.process = sock, process
+        self.reader = FrameReader()
+        self.read_lock = threading.Lock()  # one reader at a time: frames arrive in pieces
+
+    def read(self, blocking: bool) -> tuple[list, bool]:
+        """(the messages that have arrived, whether the process has gone)."""
+        if not self.read_lock.acquire(blocking):
+            return [], False  # the other reader has them
+        messages = []
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return messages, False
+                if not data:
+                    return messages, True
+                messages += self.reader.feed(data)
+        except (OSError, ValueError):  # ValueError: a frame that does not decode; the process is broken
+            return messages, True
+        finally:
+            self.read_lock.release()
+
+    def close(self) -> None:
+        with self.read_lock:  # never under a read: the descriptor's number could be reused
+            self.sock.close()
 
 
 class IOProcess:
     def __init__(self, memory_fd: int, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
                  num_slots: int, drain_s: float = 10.0):
         self._memory_fd = memory_fd
+        # A page the I/O process shares with this worker, where it counts the answers it has sent:
+        # the engine's step reads it (no system call, so it never gives up the GIL; doing so every
+        # step starves kvtier's other threads of it) and reads the socket only when it has moved.
+        self._answers_fd = os.memfd_create("kvtier-io-answers", os.MFD_CLOEXEC)
+        os.ftruncate(self._answers_fd, mmap.PAGESIZE)
+        self._answers_map = mmap.mmap(self._answers_fd, mmap.PAGESIZE)
+        self._answers_sent = memoryview(self._answers_map).cast("Q")
+        self._answers_seen = 0
         self._setup = Setup([dataclasses.asdict(s) for s in specs], rank_fingerprint, slot_bytes, num_slots,
                             os.getpid(), logging.getLogger("kvtier").getEffectiveLevel(), drain_s)
         self._job_ids = itertools.count()
         self._lock = threading.Lock()  # guards _callbacks, _sock and _process; sends are under it too
         self._callbacks: dict[int, tuple[int, Callback]] = {}  # job id -> (number of blocks, callback)
         self._deaths: list[float] = []
+        self.num_exits = 0  # processes that died under their worker (each one's jobs failed, recomputed)
         self._closing = False
         self.disabled = False
         self.unavailable: dict[str, str] = {}  # tier name -> why its store could not be built
         self._flushed: Flushed | None = None
         self._sock: socket.socket | None = None
+        self._channel: _Channel | None = None
+        self._last_pump = 0.0  # when the engine's step last took answers (pump)
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
         self._start()
@@ -67,8 +113,9 @@ class IOProcess:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.io.process", str(self._memory_fd), str(child.fileno())],
-                pass_fds=(self._memory_fd, child.fileno()), close_fds=True, stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "kvtier.io.process", str(self._memory_fd), str(child.fileno()),
+                 str(self._answers_fd)],
+                pass_fds=(self._memory_fd, child.fileno(), self._answers_fd), close_fds=True, stdin=subprocess.DEVNULL)
         finally:
             child.close()
         send(parent, self._setup)
@@ -85,11 +132,12 @@ class IOProcess:
             raise RuntimeError("kvtier: the I/O process did not start")
         for name, why in ready.errors.items():
             logger.error("kvtier: tier %s is off in this worker: %s", name, why)
-        self._receiver = threading.Thread(target=self._receive, args=(parent, self._process), daemon=True,
+        channel = _Channel(parent, self._process)
+        self._receiver = threading.Thread(target=self._receive, args=(channel,), daemon=True,
                                           name="kvtier-io-receiver")
         with self._lock:  # from here on jobs go to this process
             self.unavailable = dict(ready.errors)
-            self._sock = parent
+            self._sock, self._channel = parent, channel
         self._receiver.start()
 
     def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int],
@@ -115,37 +163,58 @@ class IOProcess:
                     why = unavailable(f"kvtier I/O process unreachable: {error}")
         callback([why] * len(keys))
 
-    def _receive(self, sock: socket.socket, process: subprocess.Popen) -> None:
+    def _receive(self, channel: _Channel) -> None:
+        waiting = select.poll()
+        waiting.register(channel.sock, select.POLLIN)
         while True:
-            try:
-                message = receive(sock)
-            except (OSError, ValueError):  # ValueError: a frame that does not decode; the process is broken
-                message = None
-            if message is None:
-                self._on_exit(sock, process)
+            waiting.poll()  # without the GIL until an answer (or the end) arrives
+            if time.monotonic() - self._last_pump < PUMP_GRACE_S:
+                # The engine is stepping: its next step takes the answer (and copies it on the core
+                # its busy loop holds anyway), leaving the other cores to the I/O process.
+                time.sleep(PUMP_GRACE_S)
+            messages, gone = channel.read(blocking=True)
+            self._dispatch(messages)
+            if gone:
+                self._on_exit(channel)
                 return
+
+    def pump(self) -> None:
+        """Take the answers that have arrived, on the caller's thread (the engine's step): while the
+        engine's thread is busy, the receiver thread may wait up to a GIL switch interval for them."""
+        self._last_pump = time.monotonic()
+        sent = self._answers_sent[0]
+        if sent == self._answers_seen:
+            return  # nothing new: no system call
+        self._answers_seen = sent
+        channel = self._channel
+        if channel is not None:
+            self._dispatch(channel.read(blocking=False)[0])  # an end of file is the receiver thread's
+
+    def _dispatch(self, messages: list) -> None:
+        for message in messages:
             if isinstance(message, Outcome):
                 with self._lock:
                     entry = self._callbacks.pop(message.job_id, None)
-                if entry is not None:
+                if entry is not None:  # None: already failed, its process having died meanwhile
                     entry[1](message.reasons)
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()
 
-    def _on_exit(self, sock: socket.socket, process: subprocess.Popen) -> None:
-        process.kill()  # it may only have closed the socket: make sure it writes nothing more
-        code = process.wait()
-        sock.close()
+    def _on_exit(self, channel: _Channel) -> None:
+        channel.process.kill()  # it may only have closed the socket: make sure it writes nothing more
+        code = channel.process.wait()
         with self._lock:
             orphans, self._callbacks = self._callbacks, {}
-            self._sock = None  # jobs fail at once until a new process is up
+            self._sock = self._channel = None  # jobs fail at once until a new process is up
+        channel.close()
         self._flush_done.set()
         why = f"kvtier I/O process exited (code {code})"
         for blocks, callback in orphans.values():
             callback([unavailable(why)] * blocks)
         if self._closing:
             return
+        self.num_exits += 1
         logger.error("%s; %d jobs failed (recomputed); starting a new one", why, len(orphans))
         while self._count_death():
             try:
@@ -191,4 +260,5 @@ class IOProcess:
             except subprocess.TimeoutExpired:
                 process.kill()  # stuck in a store call: its writes land whole or not at all
         self._receiver.join(timeout=10.0)  # answers the jobs the process dropped
+        os.close(self._answers_fd)
         return queued - dropped, dropped

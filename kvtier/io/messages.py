@@ -73,6 +73,29 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
+class FrameReader:
+    """Frames out of a byte stream read in pieces of any size (a socket read without blocking)."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        """The messages that ``data`` completes, in order; ValueError on a frame that does not decode."""
+        self._buffer += data
+        messages, start = [], 0
+        while len(self._buffer) - start >= _LENGTH.size:
+            end = start + _LENGTH.size + _LENGTH.unpack_from(self._buffer, start)[0]
+            if end > len(self._buffer):
+                break
+            try:
+                messages.append(_decoder.decode(bytes(self._buffer[start + _LENGTH.size:end])))
+            except msgspec.DecodeError as error:
+                raise ValueError(f"undecodable frame: {error}") from None
+            start = end
+        del self._buffer[:start]
+        return messages
+
+
 def receive(sock: socket.socket):
     """The next message, or None when the other side has gone (EOF)."""
     head = _recv_exactly(sock, _LENGTH.size)

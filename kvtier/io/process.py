@@ -1,7 +1,7 @@
 """The I/O process: runs a worker's tier stores with an interpreter of its own.
 
 Started by ``IOProcess`` (``kvtier.io.client``) as ``python -m kvtier.io.process
-<memory fd> <socket fd>``. It maps the worker's host pool from the inherited
+<memory fd> <socket fd> <answers fd>``. It maps the worker's host pool from the inherited
 memory file, builds one ``TierStore`` per tier from the ``Setup`` message, and then
 serves jobs: each ``Job`` runs on its tier's threads and is answered by one
 ``Outcome``, one reason per block. It imports no torch and no engine.
@@ -42,10 +42,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters
 
 
 class _Server:
-    def __init__(self, sock: socket.socket, memory_fd: int, setup: Setup):
+    def __init__(self, sock: socket.socket, memory_fd: int, setup: Setup, answers_fd: int):
         self.sock = sock
         self._send_lock = threading.Lock()
-        self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes, mmap.MAP_SHARED)
+        self._answers_map = mmap.mmap(answers_fd, mmap.PAGESIZE)
+        self._answers_sent = memoryview(self._answers_map).cast("Q")  # read by the worker's engine step
+        # Every page mapped now (MAP_POPULATE): a store read then writes into the pool at the speed of
+        # memory, not at one page fault per 4 KiB (a 15 MiB load took 4 to 8 ms more without it).
+        self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes,
+                                  mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)
         self.stores, self.threads, errors = {}, {}, {}
         for fields in setup.tiers:
@@ -67,6 +72,7 @@ class _Server:
         try:
             with self._send_lock:
                 send(self.sock, message)
+                self._answers_sent[0] += 1  # after the send: a worker that sees the count finds the bytes
         except OSError:  # the worker is gone: the job's work is done all the same
             pass
 
@@ -136,7 +142,7 @@ def _watch_parent(parent_pid: int, server: "_Server", drain_s: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    memory_fd, socket_fd = int(argv[0]), int(argv[1])
+    memory_fd, socket_fd, answers_fd = int(argv[0]), int(argv[1]), int(argv[2])
     sock = socket.socket(fileno=socket_fd)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -146,7 +152,8 @@ def main(argv: list[str]) -> None:
     if not isinstance(setup, Setup) or os.getppid() != setup.parent_pid:
         os._exit(2)  # not started by a live worker
     logging.basicConfig(level=setup.log_level, format="%(levelname)s %(asctime)s kvtier-io[%(process)d] %(message)s")
-    server = _Server(sock, memory_fd, setup)
+    server = _Server(sock, memory_fd, setup, answers_fd)
+    os.close(answers_fd)
     os.close(memory_fd)  # the mapping keeps the memory; the descriptor is not needed any more
     threading.Thread(target=_watch_parent, args=(setup.parent_pid, server, setup.drain_s), daemon=True).start()
     server.serve(setup.drain_s)

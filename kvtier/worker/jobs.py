@@ -31,11 +31,12 @@ class Load:
     job: LoadJob
     report: JobReport
     deadline: float
-    fills_left: int  # I/O jobs (one per tier) not answered yet
+    fills_left: int  # I/O jobs (a tier's blocks, in chunks) not answered yet
     usable: list[tuple[int, int, bytes]] = field(default_factory=list)  # (block, slot, key) now in host slots
     abandoned: bool = False
     fills_settled: threading.Event = field(default_factory=threading.Event)  # every fill answered or abandoned
-    transfers_left: int = 1  # layer-wise: one transfer per layer
+    transfers_left: int = 1  # one per answered chunk (and one for blocks already in host slots); layer-wise: per layer
+    copies_in_flight: int = 0  # host -> device copies started and not finished: never abandoned meanwhile
     layer_transfer_ids: dict[int, int] = field(default_factory=dict)
     copy_result: TransferResult | None = None
 
@@ -91,6 +92,8 @@ class JobBook:
                 job = self.loads[job_id] if is_load else self.stores[job_id]
                 job.copy_result = merged(job.copy_result, result)
                 job.transfers_left -= 1
+                if is_load:
+                    job.copies_in_flight -= 1
                 if job.transfers_left:
                     continue  # layer-wise: more layers to come
                 if is_load:

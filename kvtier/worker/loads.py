@@ -1,11 +1,13 @@
 """A worker's loads: tier -> host slots (in the I/O process) -> device blocks.
 
 A load asks the I/O process to read its ``fill`` blocks into their reserved host
-slots, one I/O job per tier; when every tier has answered, one transfer copies
-all usable blocks host -> device, and the job is reported. A fill not answered
-within ``load_timeout_s`` abandons the load: it is reported failed at once (the
-engine recomputes), and its slots are reported released only when the late
-reads have returned, so nothing reuses a slot that a read may still write.
+slots, in I/O jobs of about ``CHUNK_BYTES`` per tier; each answered chunk's
+usable blocks are copied host -> device at once, while the I/O process reads the
+next chunks, and the job is reported when every chunk is copied. A fill not
+answered within ``load_timeout_s`` abandons the load: it is reported failed (the
+engine recomputes) once no copy of it is running, and its slots are reported
+released only when the late reads have returned, so nothing reuses a slot that a
+read may still write.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ from kvtier.worker.jobs import JobBook, Load
 
 logger = logging.getLogger("kvtier.worker")
 
+CHUNK_BYTES = 4 << 20  # a load's reads are answered, and copied to the device, this much at a time
+
 
 class LoadPath:
-    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, advance, verifier=None,
-                 replicated=None):
+    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, slot_bytes: int, advance,
+                 verifier=None, replicated=None):
         self.book = book
         self.advance = advance  # moves on every job whose copies have finished (the worker's)
         self.io = io  # IOProcess, or None where this worker reads no tier
         self.load_timeout_s = load_timeout_s
         self.num_layers = num_layers
+        self.chunk_blocks = max(1, CHUNK_BYTES // slot_bytes)
         self.verifier = verifier
         self.replicated = replicated
 
@@ -43,14 +48,17 @@ class LoadPath:
         by_tier: dict[str, list[int]] = {}
         for i, tier in enumerate(job.fill_from):
             by_tier.setdefault(tier, []).append(i)
-        load = self._new(job, fills=len(by_tier))
+        chunks = [(tier, indices[at:at + self.chunk_blocks]) for tier, indices in by_tier.items()
+                  for at in range(0, len(indices), self.chunk_blocks)]
+        # One copy per chunk, and one for the blocks already in host slots (or for none at all).
+        load = self._new(job, fills=len(chunks), transfers=len(chunks) + bool(job.ready_block_ids or not chunks))
         if self.replicated is not None:  # queued now: job order on every rank
             self.replicated.send(job, load.fills_settled.wait, partial(self._usable_blocks, load))
-        if not by_tier:
+        if not chunks:
             load.fills_settled.set()
-            self._submit_copy(load)
-            return
-        for tier, indices in by_tier.items():
+        if job.ready_block_ids or not chunks:
+            self._submit_copy(load, job.ready_block_ids, job.ready_slot_ids)
+        for tier, indices in chunks:
             blocks = [job.fill_block_ids[i] for i in indices]
             slots = [job.fill_slot_ids[i] for i in indices]
             keys = [job.fill_keys[i] for i in indices]
@@ -66,9 +74,10 @@ class LoadPath:
         in layer order, so that layer i can be waited for alone (``wait_for_layer``)."""
         if job.fill_keys:
             raise ValueError(f"load job {job.job_id}: a layer-wise load reads only host slots")
-        load = self._new(job, fills=0)
-        load.transfers_left = self.num_layers
-        blocks, slots = self._usable_ids(load)
+        load = self._new(job, fills=0, transfers=self.num_layers)
+        with self.book.lock:
+            load.copies_in_flight += self.num_layers
+        blocks, slots = np.array(job.ready_block_ids, np.int64), np.array(job.ready_slot_ids, np.int64)
         for layer in range(self.num_layers):
             load.layer_transfer_ids[layer] = self.book.submit_transfer(blocks, slots, False, (True, job.job_id),
                                                                        (layer,))
@@ -82,17 +91,13 @@ class LoadPath:
             return True  # CUDA: the compute stream waits for the layer's copy; the host goes on
         return self.book.transfers.wait(wanted, timeout)
 
-    def _new(self, job: LoadJob, fills: int) -> Load:
+    def _new(self, job: LoadJob, fills: int, transfers: int) -> Load:
         report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
         load = Load(job, report, time.monotonic() + self.load_timeout_s, fills,
-                    list(zip(job.ready_block_ids, job.ready_slot_ids, job.ready_keys)))
+                    list(zip(job.ready_block_ids, job.ready_slot_ids, job.ready_keys)), transfers_left=transfers)
         with self.book.lock:
             self.book.loads[job.job_id] = load
         return load
-
-    @staticmethod
-    def _usable_ids(load: Load) -> tuple[np.ndarray, np.ndarray]:
-        return (np.array([u[0] for u in load.usable], np.int64), np.array([u[1] for u in load.usable], np.int64))
 
     def _usable_blocks(self, load: Load) -> set[int]:
         with self.book.lock:
@@ -100,13 +105,16 @@ class LoadPath:
             return {block for block, _, _ in usable}
 
     def _filled(self, load: Load, blocks: list[int], slots: list[int], keys: list[bytes], reasons: list) -> None:
-        """The I/O process answered one tier's reads (on its receiver thread)."""
+        """The I/O process answered one chunk of reads (on its receiver thread, or the engine's step)."""
         if self.verifier is not None:
             self.verifier.received([s for s, why in zip(slots, reasons) if why is None])
+        usable_blocks, usable_slots = [], []
         with self.book.lock:
             for block, slot, key, why in zip(blocks, slots, keys, reasons):
                 if why is None:
                     load.usable.append((block, slot, key))
+                    usable_blocks.append(block)
+                    usable_slots.append(slot)
                     continue
                 logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
                 load.report.failed_block_ids.append(block)
@@ -118,15 +126,21 @@ class LoadPath:
                 load.fills_settled.set()
             if last and abandoned:  # the late reads are over: the held slots may now be reused
                 self.book.release(load.job.fill_slot_ids)
-        if last and not abandoned:  # every fill has landed in its slot: the slots may now be read
-            # On this thread, start to end where the device allows (CPU): each handoff to another
-            # thread costs up to a GIL switch interval while the engine's thread is busy.
-            self._submit_copy(load, inline=True)
-            self.advance()
+            if abandoned:
+                return
+            load.copies_in_flight += 1  # in the same hold of the lock: the load is not abandoned under the copy
+        # This chunk has landed in its slots: copy it now, while later chunks are still being read.
+        # On this thread, start to end where the device allows (CPU): each handoff to another thread
+        # costs up to a GIL switch interval while the engine's thread is busy.
+        self._submit_copy(load, usable_blocks, usable_slots, inline=True, counted=True)
+        self.advance()
 
-    def _submit_copy(self, load: Load, inline: bool = False) -> None:
-        blocks, slots = self._usable_ids(load)
-        self.book.submit_transfer(blocks, slots, False, (True, load.job.job_id), inline=inline)
+    def _submit_copy(self, load: Load, blocks, slots, inline: bool = False, counted: bool = False) -> None:
+        if not counted:
+            with self.book.lock:
+                load.copies_in_flight += 1
+        self.book.submit_transfer(np.asarray(blocks, np.int64), np.asarray(slots, np.int64), False,
+                                  (True, load.job.job_id), inline=inline)
 
     def copied(self, load: Load, result: TransferResult) -> None:
         """On the progress thread: the host -> device copy is over; report."""
@@ -145,8 +159,8 @@ class LoadPath:
     def abandon_overdue(self, now: float) -> None:
         with self.book.lock:
             for job_id, load in list(self.book.loads.items()):
-                if load.fills_left == 0 or now < load.deadline:
-                    continue
+                if load.fills_left == 0 or now < load.deadline or load.copies_in_flight:
+                    continue  # a copy to the device still running is waited for: it writes the load's blocks
                 load.abandoned = True
                 load.fills_settled.set()  # a broadcast waiting on these fills sends without them
                 logger.warning("kvtier: load job %d not filled in %.1f s; its blocks will be recomputed", job_id,

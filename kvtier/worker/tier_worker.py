@@ -73,8 +73,8 @@ class TierWorker:
             from kvtier.replicated import ReplicatedLoads
             self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
-        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self._advance,
-                              self.verifier, self.replicated)
+        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.layout.slot_bytes,
+                              self._advance, self.verifier, self.replicated)
         self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.is_source,
                                 self.verifier)
         self._closed = False
@@ -135,6 +135,8 @@ class TierWorker:
 
     def poll(self) -> list[JobReport]:
         """Jobs finished since the last call, each exactly once."""
+        if self.io is not None:
+            self.io.pump()  # answers that arrived since the last step, taken (and copied) on this thread
         finished = self.book.take_finished()
         return finished + (self.replicated.poll() if self.replicated is not None else [])
 

@@ -28,19 +28,26 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     return json.loads(out_path.read_text())
 
 
+def marked(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes started by the run marked ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            if f"KVT_TEST_RUN={marker}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")))
+        except OSError:
+            continue
+    return found
+
+
 def survivors(marker: str, grace_s: float = 5.0) -> list[str]:
     """Command lines of live processes started by the run marked ``marker``, after a grace period."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = []
-        for proc in Path("/proc").iterdir():
-            try:
-                if not proc.name.isdigit() or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-                if f"KVT_TEST_RUN={marker}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                continue
+        found = [cmdline for _, cmdline in marked(marker)]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
