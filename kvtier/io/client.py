@@ -2,8 +2,9 @@
 
 ``submit`` sends a small message and returns; the answer is read by whichever
 thread comes first, this class's receiver thread or the engine's step (``pump``),
-which calls the job's callback with one reason per block (None: done). If the I/O process dies (a store client crashed), every job it held is
-answered as failed at once, which is safe: a dead process writes nothing more
+which calls the job's callback with one reason per block (None: done). If the
+I/O process dies (a store client crashed), every job it held is answered as
+failed at once, which is safe: a dead process writes nothing more
 into the host pool. A new process is started; after ``MAX_RESTARTS`` deaths
 within ``RESTART_WINDOW_S`` the tiers are switched off with one log line, and
 every later job fails at once (the engine recomputes).

@@ -48,7 +48,7 @@ class _Server:
         self._answers_map = mmap.mmap(answers_fd, mmap.PAGESIZE)
         self._answers_sent = memoryview(self._answers_map).cast("Q")  # read by the worker's engine step
         # Every page mapped now (MAP_POPULATE): a store read then writes into the pool at the speed of
-        # memory, not at one page fault per 4 KiB (a 15 MiB load took 4 to 8 ms more without it).
+        # memory, not at one page fault per 4 KiB (a 15 MiB load took 2 to 8 ms more without it).
         self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes,
                                   mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)

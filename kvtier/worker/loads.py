@@ -143,7 +143,7 @@ class LoadPath:
                                   (True, load.job.job_id), inline=inline)
 
     def copied(self, load: Load, result: TransferResult) -> None:
-        """On the progress thread: the host -> device copy is over; report."""
+        """The load's last host -> device copy is over (on whichever thread saw it finish); report."""
         report = load.report
         report.num_bytes, report.seconds = result.num_bytes, result.seconds
         if not result.success:

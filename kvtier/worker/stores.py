@@ -123,7 +123,7 @@ class StorePath:
                                deadline, written)
 
     def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
-        """The I/O process answered one tier's writes (on its receiver thread)."""
+        """The I/O process answered one tier's writes (on its receiver thread, or the engine's step)."""
         failed = [key for key, why in zip(keys, reasons) if why is not None]
         if failed:
             logger.warning("kvtier: %d of %d writes to tier %s failed (%s)", len(failed), len(keys), tier,
