@@ -146,10 +146,8 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
         killer = threading.Thread(target=kill_the_io_process_mid_load, daemon=True)
         killer.start()
         try:
-            began = time.monotonic()
             second = apps.run_app(workdir, f"kill-{layout}-b", {**spec, "extra": {
                 **base, "remote_url": f"redis://127.0.0.1:{relay.port}/0"}, "phases": [{"prompts": [PROMPT]}]})
-            took = time.monotonic() - began
         finally:
             relay.armed.set()
             relay.close()
@@ -157,7 +155,9 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
     assert len(killed) == 1  # exactly the one I/O process of the one worker
     out = second["phases"][0]["outputs"]["0"]
     assert out["tokens"] == reference
-    assert took < base["load_timeout_s"]  # the failed load was given up at once, not at its deadline
+    # The request's own time (engine start-up excluded, which varies with the machine's load):
+    # the failed load was given up at once, not at its deadline.
+    assert second["phases"][0]["seconds"] < base["load_timeout_s"] / 2
     if layout == "in_process":
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == FULL_BLOCKS * BLOCK  # it was planned
         assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["verify_failures"] == 0
