@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="run a local storage pool on loopback, in the foreground")
     serve.add_argument("pool", choices=["mooncake", "redis"])
-    serve.set_defaults(run=lambda args: __import__("kvtier.servers", fromlist=["x"]).serve(args.pool))
+    serve.add_argument("--memory", default="1GB",
+                       help="what the pool may hold (Mooncake's storage node; Redis's maxmemory, least recently "
+                            "used entries evicted beyond it)")
+    serve.set_defaults(run=lambda args: __import__("kvtier.servers", fromlist=["x"]).serve(args.pool, args.memory))
 
     proxy = commands.add_parser("proxy", help="OpenAI-compatible proxy: prefill instance, then decode instance")
     proxy.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from kvtier.redact import redact
 from kvtier.units import parse_bytes  # noqa: F401  (re-exported: callers size things with it)
 
 
@@ -66,6 +67,27 @@ def _valid_remote_url(value: str) -> bool:
     return True
 
 
+def _parse_disk_dir(value: Any) -> str | None:
+    """A usable directory, or None. Checked at start-up, so that a bad path fails there, naming
+    the key, rather than as failed writes later: it must be a directory (or creatable as one)
+    that this process can write."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        return None
+    path = Path(os.path.expanduser(str(value)))
+    if not str(value).strip():
+        raise ValueError("an empty path (null disables the disk tier)")
+    existing = path
+    while not existing.exists():  # the folders kvtier would make must go where it can write
+        if existing.is_symlink():
+            raise ValueError(f"{existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{existing} is not writable by this process (or on a read-only filesystem)")
+    return str(path)
+
+
 def _parse_optional_str(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
@@ -95,8 +117,8 @@ KEYS: dict[str, _Key] = {
         "Size of the host memory pool (the first tier), shared memory that kvtier's I/O process maps too. "
         "Pinned when the device is CUDA."),
     "disk_dir": _Key(
-        _default_disk_dir(), _parse_optional_str, lambda v: True,
-        "a directory path, or null to disable the disk tier",
+        _default_disk_dir(), _parse_disk_dir, lambda v: True,
+        "a writable directory (made if missing), or null to disable the disk tier",
         "Directory of the local disk tier (the embedded default's second tier), one instance's own: a second "
         "instance on the same directory stops at start-up. Null disables it. Default: $XDG_CACHE_HOME/kvtier."),
     "disk_bytes": _Key(
@@ -127,6 +149,10 @@ KEYS: dict[str, _Key] = {
     "remote_retry_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "How long the pool is skipped after a failure before kvtier reconnects."),
+    "remote_ttl_s": _Key(
+        86400.0, _parse_float, lambda v: 0 <= v <= 10 * 365 * 86400, "a number of seconds >= 0 (0: never)",
+        "Redis/Valkey: entries kvtier writes expire after this long (SET EX), so a pool without an "
+        "eviction policy does not fill up with KV nobody reads. 0: no expiry. Mooncake evicts on its own."),
     "store_to": _Key(
         "disk,remote", _parse_tiers, lambda v: True, "a comma-separated subset of disk, remote (or empty)",
         "Tiers that stores are written through to, besides the host pool (where configured)."),
@@ -176,6 +202,7 @@ class KVTierConfig:
     remote_url: str | None
     remote_timeout_s: float
     remote_retry_s: float
+    remote_ttl_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float
     shutdown_flush_s: float
@@ -241,10 +268,11 @@ def _validated(name: str, value: Any) -> Any:
         ok = key.check(parsed)
     except (TypeError, ValueError) as error:
         raise ConfigError(
-            f"kvtier config: key '{name}' has value {value!r}, which is not allowed ({error}); "
-            f"allowed: {key.allowed}") from None
+            f"kvtier config: key '{name}' has value {redact(repr(value))}, which is not allowed "
+            f"({redact(error)}); allowed: {key.allowed}") from None
     if not ok:
-        raise ConfigError(f"kvtier config: key '{name}' has value {value!r}, which is not allowed; allowed: {key.allowed}")
+        raise ConfigError(f"kvtier config: key '{name}' has value {redact(repr(value))}, which is not allowed; "
+                          f"allowed: {key.allowed}")
     return parsed
 
 

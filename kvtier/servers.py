@@ -50,8 +50,11 @@ def mooncake_command(rpc_port: int, metadata_port: int) -> list[str]:
             f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"]
 
 
-def redis_command(port: int, password: str | None = None) -> list[str]:
-    command = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+def redis_command(port: int, password: str | None = None, maxmemory: str = "1gb",
+                  policy: str = "allkeys-lru") -> list[str]:
+    """A cache, not a database: bounded memory, least recently used entries evicted, nothing saved."""
+    command = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--maxmemory", maxmemory, "--maxmemory-policy", policy]
     return command + (["--requirepass", password] if password else [])
 
 
@@ -110,11 +113,12 @@ def local_mooncake(log_path: str | None = None, storage: str = "1GB"):
 
 
 @contextlib.contextmanager
-def local_redis(log_path: str | None = None, password: str | None = None):
+def local_redis(log_path: str | None = None, password: str | None = None, maxmemory: str = "1gb",
+                policy: str = "allkeys-lru"):
     port = free_port()
     auth = f":{password}@" if password else ""
-    server = LocalServer([(redis_command(port, password), port)], f"redis://{auth}127.0.0.1:{port}/0", "redis",
-                         log_path)
+    server = LocalServer([(redis_command(port, password, maxmemory, policy), port)],
+                         f"redis://{auth}127.0.0.1:{port}/0", "redis", log_path)
     server.start()
     try:
         yield server
@@ -126,13 +130,13 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def serve(kind: str) -> None:
+def serve(kind: str, memory: str = "1GB") -> None:
     """Run a local pool in the foreground until interrupted; prints its remote_url.
 
     SIGTERM stops it like Ctrl-C: its servers run in sessions of their own, so only
     this process can stop them, on the way out of ``with``."""
     signal.signal(signal.SIGTERM, _interrupt)
-    context = local_mooncake() if kind == "mooncake" else local_redis()
+    context = local_mooncake(storage=memory) if kind == "mooncake" else local_redis(maxmemory=memory.lower())
     with context as server:
         print(f"remote_url: {server.url}", flush=True)
         try:

@@ -1,5 +1,8 @@
 /* GIL-free copies between the engine's KV cache and host slots.
  *
+ * Every id, address and length buffer must be a buffer of int64 (its format is
+ * checked: an int32 array is refused, never read as half as many int64).
+ *
  * copy(dst_addrs, src_addrs, lengths): three int64 buffers of equal length.
  *   Each run i copies lengths[i] bytes from src_addrs[i] to dst_addrs[i]. Any
  *   length is allowed (no vector-width truncation).
@@ -9,7 +12,8 @@
  *   list planned beforehand. segments holds int64 rows (device_address, stride,
  *   slot_offset, nbytes): segment row r of block b is at device_address + b * stride,
  *   and of slot s at host_address + s * slot_bytes + slot_offset. Ids are checked
- *   against num_blocks and num_slots before any byte moves; runs that continue on
+ *   against num_blocks and num_slots, and every segment row against slot_bytes (no
+ *   negative length or offset, no run past a slot's end), before any byte moves; runs that continue on
  *   both sides are merged into one memcpy. Returns the bytes copied.
  *
  * The caller guarantees that every address is valid for the whole call and that
@@ -20,11 +24,29 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A C-contiguous buffer of int64 from obj, or -1 with ValueError naming it. */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->itemsize != 8 || !(strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int64 buffer, not format '%s' of %zd-byte items", what,
+                     view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *copy(PyObject *self, PyObject *args) {
-    Py_buffer dst, src, len;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &dst, &src, &len)) return NULL;
+    PyObject *dst_obj, *src_obj, *len_obj;
+    Py_buffer dst = {0}, src = {0}, len = {0};
+    if (!PyArg_ParseTuple(args, "OOO", &dst_obj, &src_obj, &len_obj)) return NULL;
     PyObject *result = NULL;
-    if (dst.len != src.len || dst.len != len.len || dst.len % 8 != 0) {
+    if (int64_buffer(dst_obj, &dst, "copy: dst") || int64_buffer(src_obj, &src, "copy: src") ||
+        int64_buffer(len_obj, &len, "copy: lengths"))
+        goto done;
+    if (dst.len != src.len || dst.len != len.len) {
         PyErr_SetString(PyExc_ValueError, "copy: dst, src and lengths must be int64 buffers of equal size");
         goto done;
     }
@@ -42,27 +64,40 @@ static PyObject *copy(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&len);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (src.obj) PyBuffer_Release(&src);
+    if (len.obj) PyBuffer_Release(&len);
     return result;
 }
 
 static PyObject *copy_blocks(PyObject *self, PyObject *args) {
-    Py_buffer seg, blk, slt;
+    PyObject *seg_obj, *blk_obj, *slt_obj;
+    Py_buffer seg = {0}, blk = {0}, slt = {0};
     long long host, slot_bytes, num_blocks, num_slots;
     int to_host;
-    if (!PyArg_ParseTuple(args, "y*y*y*LLLLp", &seg, &blk, &slt, &host, &slot_bytes, &num_blocks, &num_slots,
-                          &to_host))
+    if (!PyArg_ParseTuple(args, "OOOLLLLp", &seg_obj, &blk_obj, &slt_obj, &host, &slot_bytes, &num_blocks,
+                          &num_slots, &to_host))
         return NULL;
     PyObject *result = NULL;
-    if (seg.len % 32 != 0 || blk.len % 8 != 0 || blk.len != slt.len) {
+    if (int64_buffer(seg_obj, &seg, "copy_blocks: segments") || int64_buffer(blk_obj, &blk, "copy_blocks: block ids") ||
+        int64_buffer(slt_obj, &slt, "copy_blocks: slot ids"))
+        goto done;
+    if (seg.len % 32 != 0 || blk.len != slt.len || slot_bytes <= 0) {
         PyErr_SetString(PyExc_ValueError,
-                        "copy_blocks: segments must be int64 rows of 4, block and slot ids int64 of equal length");
+                        "copy_blocks: segments must be int64 rows of 4, block and slot ids of equal length, slot_bytes > 0");
         goto done;
     }
     Py_ssize_t n_seg = seg.len / 32, n = blk.len / 8;
     const int64_t *rows = (const int64_t *)seg.buf, *b = (const int64_t *)blk.buf, *s = (const int64_t *)slt.buf;
+    for (Py_ssize_t r = 0; r < n_seg; r++) {
+        const int64_t stride = rows[4 * r + 1], offset = rows[4 * r + 2], nbytes = rows[4 * r + 3];
+        if (stride < 0 || offset < 0 || nbytes < 0 || offset > slot_bytes || nbytes > slot_bytes - offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_blocks: segment %zd (stride %lld, slot offset %lld, %lld bytes) does not fit a slot "
+                         "of %lld bytes", r, (long long)stride, (long long)offset, (long long)nbytes, slot_bytes);
+            goto done;
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (b[i] < 0 || b[i] >= num_blocks || s[i] < 0 || s[i] >= num_slots) {
             PyErr_Format(PyExc_ValueError, "copy_blocks: block id %lld or slot id %lld out of range [0, %lld) / [0, %lld)",
@@ -95,9 +130,9 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong(copied);
 done:
-    PyBuffer_Release(&seg);
-    PyBuffer_Release(&blk);
-    PyBuffer_Release(&slt);
+    if (seg.obj) PyBuffer_Release(&seg);
+    if (blk.obj) PyBuffer_Release(&blk);
+    if (slt.obj) PyBuffer_Release(&slt);
     return result;
 }
 

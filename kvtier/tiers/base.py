@@ -17,6 +17,7 @@ list of tiers and name none of them.
 
 from __future__ import annotations
 
+import errno
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,35 @@ def unavailable(why: str) -> str:
 
 def is_bad_entry(reason: str) -> bool:
     return not reason.startswith(UNAVAILABLE)
+
+
+# Errors that the next write will meet too: the device is full, read-only or failing.
+_LASTING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO})
+
+
+class WriteBackOff:
+    """A filesystem tier's writes after a lasting error (ENOSPC, EROFS, ...): skipped at once
+    for ``pause_s``, then tried again, instead of failing one by one against the device."""
+
+    def __init__(self, pause_s: float = 30.0):
+        self.pause_s = pause_s
+        self._until = 0.0
+        self._why = ""
+        self.num_pauses = 0
+
+    def skipped(self) -> str | None:
+        """Why a write is skipped now, or None to try it."""
+        left = self._until - time.monotonic()
+        return f"write skipped: tier paused for {left:.0f} s after {self._why}" if left > 0 else None
+
+    def failed(self, error: BaseException) -> str:
+        """A write raised ``error``: its reason, errno named; a lasting error pauses the writes."""
+        code = getattr(error, "errno", None)
+        why = f"{errno.errorcode.get(code, code)}: {getattr(error, 'strerror', None) or error}" if code else repr(error)
+        if code in _LASTING_ERRNOS:
+            self._why, self._until = why, time.monotonic() + self.pause_s
+            self.num_pauses += 1
+        return f"write failed: {why}"
 
 
 @dataclass(frozen=True)
@@ -126,17 +156,24 @@ class ExistenceIndex(TierIndex):
 
     ``lookup`` returns the answer once it has arrived, None while it is pending, and
     all-False once ``timeout_s`` passed without one: a tier that does not answer is a
-    miss, never a wait. Entries that failed to load are misses for a while, or the
+    miss, never a wait, and ``on_overdue`` is told at once (a pool marks itself down then,
+    not when the late call returns). At most ``max_pending`` checks wait for an answer;
+    lookups past them are misses at once, never a queue. Entries that failed to load are misses for a while, or the
     engine would ask for the same broken entry again and again.
     """
 
     asks_the_tier = True
 
     def __init__(self, name: str, exists: Callable[[list[bytes]], list[bool] | None], timeout_s: float,
-                 failed_ttl_s: float = 30.0, threads: int = 2):
+                 failed_ttl_s: float = 30.0, threads: int = 2,
+                 on_overdue: Callable[[str], None] | None = None, max_pending: int = 64):
         self.name = name
         self._exists = exists
         self.timeout_s = timeout_s
+        self._on_overdue = on_overdue
+        self._max_pending = max_pending
+        self.num_overdue = 0
+        self.num_refused = 0
         self._failed_ttl_s = failed_ttl_s
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-lookup")
         self._pending: dict[str, tuple[tuple[bytes, ...], float, Future]] = {}
@@ -151,13 +188,20 @@ class ExistenceIndex(TierIndex):
             return [False] * len(keys)  # no token, no later call to answer: the tier is skipped
         entry = self._pending.get(token)
         if entry is None or entry[0] != keys:
+            if len(self._pending) >= self._max_pending:
+                self.num_refused += 1
+                return [False] * len(keys)
             self._pending[token] = (keys, time.monotonic(), self._threads.submit(self._exists, list(keys)))
             return None
         _, began, future = entry
         if not future.done():
-            if time.monotonic() - began <= self.timeout_s:
+            waited = time.monotonic() - began
+            if waited <= self.timeout_s:
                 return None
             del self._pending[token]
+            self.num_overdue += 1
+            if self._on_overdue is not None:
+                self._on_overdue(f"an existence check is past its deadline ({waited:.2f} s)")
             return [False] * len(keys)
         del self._pending[token]
         try:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
-from kvtier.tiers.base import TierIndex, TierSpec, TierStore
+from kvtier.tiers.base import TierIndex, TierSpec, TierStore, WriteBackOff
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -88,8 +88,11 @@ class DiskIndex(TierIndex):
         opened = []
         for fingerprint in self.rank_fingerprints:
             path = entries_file(self.root, fingerprint, number)
-            path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            self.root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)  # owner-only, like what it holds
+            path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
+            if path.parent.is_symlink():  # a link planted in kvtier's directory is never followed
+                raise OSError(f"{path.parent} is a symbolic link; kvtier does not follow links under disk_dir")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, _FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -233,6 +236,17 @@ def entries_in(root) -> list[tuple[Path, int, bytes, int, int]]:
     return found
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a short write is continued, so that a full device
+    raises its own errno (ENOSPC) rather than passing for a write."""
+    done = 0
+    while done < len(data):
+        written = os.pwrite(fd, data[done:], offset + done)
+        if written == 0:
+            raise OSError(f"no progress writing at {offset + done}")
+        done += written
+
+
 def _written_places(fd: int, entry_bytes: int, capacity: int):
     """Places whose header lies in data: the holes of the sparse file are places never written."""
     end = capacity * entry_bytes
@@ -262,6 +276,7 @@ class DiskStore(TierStore):
         self._fds: dict[int, int] = {}  # file number -> descriptor, opened at first use
         self._fds_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
+        self.back_off = WriteBackOff()
 
     def _each(self, function, *columns) -> list:
         if self._threads is None or len(columns[0]) < 2:
@@ -281,11 +296,13 @@ class DiskStore(TierStore):
             return f"read failed: {error!r}"
 
     def _write_guarded(self, key: bytes, payload: memoryview, location: int) -> str | None:
+        if skipped := self.back_off.skipped():
+            return skipped
         try:
             self.write(key, payload, location)
             return None
         except Exception as error:
-            return f"write failed: {error!r}"
+            return self.back_off.failed(error)
 
     def _file(self, location: int) -> tuple[int, int]:
         """(descriptor, byte offset) of a location. The index made and sized the file, and locks
@@ -295,18 +312,17 @@ class DiskStore(TierStore):
             fd = self._fds.get(number)
             if fd is None:
                 path = entries_file(self.root, self.rank_fingerprint, number)
-                fd = self._fds[number] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+                fd = self._fds[number] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                                 _FILE_MODE)
         return fd, place * self.entry_bytes
 
     def write(self, key: bytes, payload: memoryview, location: int) -> None:
         """Write one entry into its place: the payload, then the header that makes it valid."""
         fd, offset = self._file(location)
         header = encode_header(self.rank_fingerprint, key, payload)
-        if os.pwritev(fd, [payload], offset + HEADER_BYTES) != len(payload):
-            raise OSError(f"short write at {offset} in disk tier file {location >> FILE_BITS}")
+        _pwrite_all(fd, payload, offset + HEADER_BYTES)
         # Header last: before this, the place's old header does not match the new payload.
-        if os.pwrite(fd, header, offset) != HEADER_BYTES:
-            raise OSError(f"short write at {offset} in disk tier file {location >> FILE_BITS}")
+        _pwrite_all(fd, memoryview(header), offset)
 
     def read(self, key: bytes, out: memoryview, location: int) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss.

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
-from kvtier.tiers.base import TierStore
+from kvtier.tiers.base import TierStore, WriteBackOff
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -37,12 +37,13 @@ class EntryFiles(TierStore):
         self.root = Path(root)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
-        (self.root / rank_fingerprint.hex()).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        _make_dirs(self.root, self.root / rank_fingerprint.hex())
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
         # Unique across hosts that share a directory: two writers never share a temporary file.
         self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
+        self.back_off = WriteBackOff()
 
     def _each(self, function, *columns) -> list:
         if self._threads is None or len(columns[0]) < 2:
@@ -62,11 +63,13 @@ class EntryFiles(TierStore):
             return f"read failed: {error!r}"
 
     def _write_guarded(self, key: bytes, payload: memoryview) -> str | None:
+        if skipped := self.back_off.skipped():
+            return skipped
         try:
             self.write(key, payload)
             return None
         except Exception as error:
-            return f"write failed: {error!r}"
+            return self.back_off.failed(error)
 
     def close(self) -> None:
         if self._threads is not None:
@@ -80,12 +83,17 @@ class EntryFiles(TierStore):
         path = self.path(key)
         parent = str(path.parent)
         if parent not in self._made_dirs:
-            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
+            _make_dirs(self.root, path.parent)
             with self._lock:
                 self._made_dirs.add(parent)
         header = encode_header(self.rank_fingerprint, key, payload)
         temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(temporary, flags, _FILE_MODE)
+        except FileNotFoundError:  # the directory was deleted under us: made again, owner-only
+            _make_dirs(self.root, path.parent)
+            fd = os.open(temporary, flags, _FILE_MODE)
         try:
             try:
                 written = os.writev(fd, [header, payload])
@@ -122,6 +130,22 @@ class EntryFiles(TierStore):
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
         return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
+
+
+def _make_dirs(root: Path, path: Path) -> None:
+    """Make ``path`` and every missing folder up to it owner-only (``os.makedirs`` would give the
+    folders above the last one the umask's mode). A folder that is a symbolic link is refused."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=_DIR_MODE)
+        except FileExistsError:  # another writer made it meanwhile
+            pass
+    if path != root and path.is_symlink():
+        raise OSError(f"{path} is a symbolic link; kvtier does not follow links under its directory")
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.redact import redact
 from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, unavailable
 
 logger = logging.getLogger("kvtier.pool")
@@ -65,75 +66,135 @@ class PoolClient(ABC):
         return None
 
 
-class GuardedClient:
-    """A pool client behind a circuit breaker. Thread-safe."""
+class _Lease:
+    """One connected client and the calls inside it. A client that failed is retired: no new
+    call gets it, and it is closed by whoever leaves it last, never under a call in flight
+    (closing a Mooncake client under a batch call crashes the process)."""
 
-    def __init__(self, url: str, connect: Callable[[], PoolClient], timeout_s: float, retry_s: float):
+    __slots__ = ("client", "calls", "retired")
+
+    def __init__(self, client: PoolClient):
+        self.client, self.calls, self.retired = client, 0, False
+
+
+class GuardedClient:
+    """A pool client behind a circuit breaker. Thread-safe.
+
+    At most ``max_calls`` calls are inside the client at once: a pool that hangs holds
+    that many threads, and every call past them is a miss at once, never a queue."""
+
+    def __init__(self, url: str, connect: Callable[[], PoolClient], timeout_s: float, retry_s: float,
+                 max_calls: int = 8):
         self.url = url
         self._connect = connect
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._client: PoolClient | None = None
+        self.max_calls = max_calls
+        self._lease: _Lease | None = None
+        self._calls = 0  # in every lease, retired ones included
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._registered: list[tuple[int, int]] = []
         self.num_failures = 0
+        self.num_refused = 0  # calls turned away because max_calls were in flight
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _get(self) -> PoolClient:
+    @property
+    def calls_in_flight(self) -> int:
+        return self._calls
+
+    def _acquire(self) -> _Lease:
         with self._lock:
             if not self.available:
                 raise PoolUnavailable(f"marked down for another {self._down_until - time.monotonic():.1f} s")
-            if self._client is None:
-                self._client = self._connect()
+            if self._calls >= self.max_calls:
+                self.num_refused += 1
+                raise _Busy(f"{self._calls} calls in flight")
+            if self._lease is None:
+                # Connecting under the lock: callers meanwhile wait at most one connect, which
+                # the client's own connect timeout bounds.
+                lease = _Lease(self._connect())
                 for address, num_bytes in self._registered:
-                    self._client.register(address, num_bytes)
-            return self._client
+                    lease.client.register(address, num_bytes)
+                self._lease = lease
+            self._lease.calls += 1
+            self._calls += 1
+            return self._lease
+
+    def _release(self, lease: _Lease) -> None:
+        with self._lock:
+            lease.calls -= 1
+            self._calls -= 1
+            close = lease.retired and lease.calls == 0
+        if close:
+            _close_quietly(lease.client)
 
     def register(self, address: int, num_bytes: int) -> None:
         self._registered.append((address, num_bytes))
-        if self._client is not None:
-            self._client.register(address, num_bytes)
+        if self._lease is not None:
+            self._lease.client.register(address, num_bytes)
 
-    def _failed(self, error: BaseException) -> None:
+    def mark_down(self, error: BaseException | str) -> None:
+        """Skip the pool for ``retry_s`` and retire its client (closed when its last call leaves)."""
         with self._lock:
+            was_up = self.available
             self.num_failures += 1
             self._down_until = time.monotonic() + self.retry_s
-            client, self._client = self._client, None  # reconnect after the pause
-        logger.warning("kvtier: storage pool %s failed (%s); using the other tiers for %.0f s", self.url, error,
-                       self.retry_s)
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a broken client may fail too; it is dropped either way
-                pass
+            lease, self._lease = self._lease, None  # the next call after the pause reconnects
+            close = lease is not None and lease.calls == 0
+            if lease is not None:
+                lease.retired = True
+        if was_up:  # one line per outage, not one per call that finds it
+            logger.warning("kvtier: storage pool %s failed (%s); using the other tiers for %.0f s",
+                           redact(self.url), redact(error), self.retry_s)
+        if close:
+            _close_quietly(lease.client)
 
     def call(self, method: str, *args) -> list | None:
-        """``client.<method>(*args)``, or None if the pool is down or the call failed."""
+        """``client.<method>(*args)``, or None if the pool is down, busy, or the call failed."""
         try:
-            client = self._get()
+            lease = self._acquire()
+        except _Busy:
+            return None
+        except Exception as error:  # down, or the connect failed
+            if self.available:
+                self.mark_down(error)
+            return None
+        try:
             began = time.monotonic()
-            result = getattr(client, method)(*args)
+            result = getattr(lease.client, method)(*args)
             elapsed = time.monotonic() - began
             if elapsed > self.timeout_s:  # answered, but too slowly to keep using for now
-                self._failed(PoolUnavailable(f"{method} took {elapsed:.2f} s"))
+                self.mark_down(PoolUnavailable(f"{method} took {elapsed:.2f} s"))
             return result
-        except PoolUnavailable as error:
-            if self.available:
-                self._failed(error)
-            return None
         except Exception as error:  # any client error is a failed call: fall back, never crash
-            self._failed(error)
+            self.mark_down(error)
             return None
+        finally:
+            self._release(lease)
 
     def close(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+            lease, self._lease = self._lease, None
+            close = lease is not None and lease.calls == 0
+            if lease is not None:
+                lease.retired = True
+        if close:
+            _close_quietly(lease.client)
+
+
+class _Busy(Exception):
+    """``max_calls`` calls are in flight."""
+
+
+def _close_quietly(client: PoolClient) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a broken client may fail too; it is dropped either way
+        pass
 
 
 def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
@@ -150,7 +211,8 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
         # A block counts as stored only if every rank stored its shard.
         return [all(answer[i * len(ranks):(i + 1) * len(ranks)]) for i in range(len(keys))]
 
-    index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0))
+    index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
+                           on_overdue=guarded.mark_down)
     index.client = guarded  # closed with the index
     close = index.close
 

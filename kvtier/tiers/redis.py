@@ -5,6 +5,10 @@
 ``redis`` client takes them), and ``redis+cluster://host:port`` (or
 ``rediss+cluster://``) for Redis Cluster. Batches are pipelined: one round trip
 per batch of reads or writes.
+
+A write the server refuses (``OOM`` at ``maxmemory`` under ``noeviction``) fails
+that entry alone: the pool stays up for reads and for the writes that fit. Entries
+expire after ``remote_ttl_s`` (``SET EX``).
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    return make_pool_index(spec, rank_fingerprints, lambda: RedisClient(spec.location, spec.timeout_s))
+    return make_pool_index(spec, rank_fingerprints, lambda: RedisClient(spec.location, spec.timeout_s, 0))
 
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
-    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: RedisClient(spec.location, spec.timeout_s))
+    ttl_s = spec.options.get("ttl_s", 0)
+    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: RedisClient(spec.location, spec.timeout_s, ttl_s))
 
 
 class RedisClient(PoolClient):
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, ttl_s: float = 0):
         import redis
 
+        self._ttl_ms = int(ttl_s * 1000) or None
         parsed = urlparse(url)
         options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         if parsed.scheme.endswith("+cluster"):
@@ -53,8 +59,10 @@ class RedisClient(PoolClient):
     def put(self, names, headers, payloads) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
         for name, header, payload in zip(names, headers, payloads):
-            pipe.set(name, b"".join((header, payload)))  # one value: a reader gets all of it or nothing
-        return [bool(ok) for ok in pipe.execute()]
+            pipe.set(name, b"".join((header, payload)), px=self._ttl_ms)  # one value: whole or absent
+        # Errors per command (OOM at maxmemory) come back as values: that entry is refused, and
+        # the pool is not failed for it. A broken connection still raises, and fails the call.
+        return [ok is True for ok in pipe.execute(raise_on_error=False)]
 
     def get_into(self, names, headers, payloads) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)

@@ -46,7 +46,8 @@ def tier_specs(config) -> list[TierSpec]:
     if config.remote_url:
         name, module = SCHEMES[urlparse(config.remote_url).scheme]
         specs.append(TierSpec(name, module, config.remote_url, None, config.remote_timeout_s, config.remote_retry_s,
-                              threads=config.disk_io_threads, options={"write": "remote" in config.store_to}))
+                              threads=config.disk_io_threads,
+                              options={"write": "remote" in config.store_to, "ttl_s": config.remote_ttl_s}))
     return specs
 
 

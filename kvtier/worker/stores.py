@@ -24,6 +24,26 @@ from kvtier.worker.jobs import JobBook, Store
 logger = logging.getLogger("kvtier.worker")
 
 
+class FailedWritesLog:
+    """One warning per tier per ``every_s`` about failed writes, with how many failed since the
+    last one: a full or read-only disk is said once, not once per block."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def failed(self, tier: str, count: int, why: str) -> None:
+        now = time.monotonic()
+        quiet = self._quiet.get(tier, 0) + count
+        if now - self._last.get(tier, -self.every_s) < self.every_s:
+            self._quiet[tier] = quiet
+            return
+        self._last[tier], self._quiet[tier] = now, 0
+        logger.warning("kvtier: %d writes to tier %s failed (%s); the next warning in %.0f s at the earliest",
+                       quiet, tier, why, self.every_s)
+
+
 class StorePath:
     def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, is_source: bool, verifier=None):
         self.book = book
@@ -32,6 +52,7 @@ class StorePath:
         self.num_layers = num_layers
         self.is_source = is_source  # replicated KV: only rank 0 stores
         self.verifier = verifier
+        self._failures_log = FailedWritesLog()
         # Layer-wise jobs prepared and not yet submitted whole: their layers may all finish (and
         # the job be reported, on kvtier's threads) before the engine's ``submit`` of the same job.
         self._layerwise: set[int] = set()
@@ -126,8 +147,7 @@ class StorePath:
         """The I/O process answered one tier's writes (on its receiver thread, or the engine's step)."""
         failed = [key for key, why in zip(keys, reasons) if why is not None]
         if failed:
-            logger.warning("kvtier: %d of %d writes to tier %s failed (%s)", len(failed), len(keys), tier,
-                           next(why for why in reasons if why is not None))
+            self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
         with self.book.lock:
             if failed:
                 store.report.failed_writes[tier] = failed

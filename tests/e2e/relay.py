@@ -1,5 +1,6 @@
 """A TCP relay on loopback between a client and a real server, for faults a store can have:
-answers held back (a slow store) once the client sends a given command."""
+answers held back (a slow store), or passed on a byte at a time (a trickling one), once
+the client sends a given command."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import time
 
 class Relay:
     """Forwards 127.0.0.1:<port> to ``upstream``. Once the client has sent bytes containing
-    ``arm_on``, every later answer is held ``delay_s`` before it is passed on, and ``armed`` is set."""
+    ``arm_on``, every later answer is held ``delay_s`` before it is passed on, then sent one byte
+    per ``trickle_s`` (0: at once), and ``armed`` is set."""
 
-    def __init__(self, upstream: tuple[str, int], arm_on: bytes | None = None, delay_s: float = 0.0):
-        self.upstream, self.arm_on, self.delay_s = upstream, arm_on, delay_s
+    def __init__(self, upstream: tuple[str, int], arm_on: bytes | None = None, delay_s: float = 0.0,
+                 trickle_s: float = 0.0):
+        self.upstream, self.arm_on, self.delay_s, self.trickle_s = upstream, arm_on, delay_s, trickle_s
         self.armed = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -39,6 +42,11 @@ class Relay:
                     self.armed.set()
                 if not from_client and self.armed.is_set():
                     time.sleep(self.delay_s)
+                    if self.trickle_s:
+                        for i in range(len(data)):
+                            sink.sendall(data[i:i + 1])
+                            time.sleep(self.trickle_s)
+                        continue
                 sink.sendall(data)
         except OSError:
             pass
