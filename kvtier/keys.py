@@ -47,6 +47,7 @@ class Namespace:
     tp_rank: int | None = None  # None: the scheduler's view, shared by all ranks
     device_layout: str = ""  # a rank's KV layout and per-block shape; "" in the scheduler's view
     format_version: int = FORMAT_VERSION
+    weights: str = ""  # the model's content and KV-changing settings (``kvtier.model_identity``)
 
     def fingerprint(self) -> bytes:
         encoded = msgspec.msgpack.encode(astuple(self))

@@ -65,3 +65,47 @@ def test_same_keys_in_another_process_whatever_the_hash_seed():
 def test_bad_tokens_are_rejected():
     with pytest.raises(ValueError):
         block_keys(FP, [-1], 4)
+
+
+def test_a_models_fingerprint_follows_its_content_not_its_name_or_dates(tmp_path):
+    import os
+    import shutil
+
+    from kvtier.model_identity import SAMPLE_BYTES, directory_fingerprint, model_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights = bytearray(os.urandom(40 * SAMPLE_BYTES))  # big enough to be sampled
+    (model / "model.safetensors").write_bytes(weights)
+    first = directory_fingerprint(model)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    os.utime(copy / "model.safetensors", (1, 1))
+    assert directory_fingerprint(copy) == first  # same content elsewhere, other dates
+    weights[3] ^= 1  # a fine-tune changes the first bytes, among others
+    (copy / "model.safetensors").write_bytes(weights)
+    assert directory_fingerprint(copy) != first
+    shutil.copytree(model, tmp_path / "again")
+    (tmp_path / "again" / "config.json").write_text('{"hidden_size": 65}')
+    assert directory_fingerprint(tmp_path / "again") != first
+    assert model_fingerprint(str(model), None, {"quantization": None}) != model_fingerprint(
+        str(model), None, {"quantization": "fp8"})
+    assert model_fingerprint("org/m", "v1") != model_fingerprint("org/m", "v2")
+
+
+def test_a_lora_adapter_reloaded_under_its_name_gets_new_keys(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.namespace import adapter_fingerprint
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+    request = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(adapter))
+    first = adapter_fingerprint(request)
+    assert adapter_fingerprint(request) == first
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+    assert adapter_fingerprint(request) != first

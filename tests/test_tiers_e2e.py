@@ -162,3 +162,24 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == FULL_BLOCKS * BLOCK  # it was planned
         assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["verify_failures"] == 0
         assert second["kvtier"]["io_restarts"] == 1
+
+
+def test_a_model_updated_in_place_is_never_served_the_old_weights_kv(workdir, tmp_path):
+    """The same model path, new weights of the same shapes (a fine-tune copied over the old
+    files): the KV that the old weights left on disk is a miss, and the output is the new
+    model's own."""
+    from kvtier.demo.model import make_model
+
+    path = str(make_model(tmp_path / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1, seed=0))
+    extra = {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk"), "verify_loads": True}
+    spec = {"model": path, "connector": "kvtier", "extra": extra, "engine": ENGINE, "warmup": False,
+            "layout": "in_process"}
+    apps.run_app(workdir, "updated-a", {**spec, "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
+    assert len(entries_in(tmp_path / "disk")) == FULL_BLOCKS
+    make_model(path, num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1, seed=1)  # new weights, same path
+    second = apps.run_app(workdir, "updated-b", {**spec, "phases": [{"prompts": [PROMPT]}]})
+    fresh = apps.run_app(workdir, "updated-ref", {"model": path, "engine": ENGINE, "warmup": False,
+                                                  "phases": [{"prompts": [PROMPT]}]})
+    assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == 0
+    assert second["phases"][0]["outputs"]["0"]["cached"] == 0
+    assert second["phases"][0]["outputs"]["0"]["tokens"] == fresh["phases"][0]["outputs"]["0"]["tokens"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
+from kvtier.model_identity import directory_fingerprint, model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,46 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
         num_layers=len(layer_names),
         block_size=spec.block_size,
         tp_size=parallel.tensor_parallel_size,
+        weights=_weights(vllm_config.model_config),
     )
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
                           parallel.world_size)
+
+
+def _weights(model_config) -> str:
+    """The model's fingerprint: its files' content where they are on this machine (a local
+    directory, or vLLM's download in the Hugging Face cache), plus the settings that change
+    the KV it computes. Both sides of the connector compute it alike."""
+    model, revision = str(model_config.model), getattr(model_config, "revision", None)
+    local = model
+    if not os.path.exists(model):
+        try:
+            from huggingface_hub import snapshot_download
+            local = snapshot_download(model, revision=revision, local_files_only=True)
+        except Exception:  # not in the cache (or not a hub name): the name and revision stand for it
+            local = model
+    settings = {name: str(getattr(model_config, name, None))
+                for name in ("dtype", "quantization", "hf_overrides", "override_generation_config")}
+    settings["name"] = model
+    return model_fingerprint(local, revision, settings)
+
+
+_adapters: dict[tuple, str] = {}
+
+
+def adapter_fingerprint(lora_request) -> str:
+    """A LoRA adapter's content fingerprint, computed once per version of its files (their
+    paths, sizes and modification times): a few stats per new request, not a read."""
+    path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "lora_local_path", None)
+    if not path or not os.path.exists(path):
+        return f"id={getattr(lora_request, 'lora_int_id', '')}"
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, names in os.walk(path)
+                                                       for f in names)
+    version = tuple((f, st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    found = _adapters.get(version)
+    if found is None:
+        if len(_adapters) > 1024:
+            _adapters.clear()
+        found = _adapters[version] = directory_fingerprint(path)
+    return found

@@ -17,7 +17,7 @@ from vllm.v1.request import RequestStatus
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsTracker
-from kvtier.integrations.vllm.namespace import EngineGeometry
+from kvtier.integrations.vllm.namespace import EngineGeometry, adapter_fingerprint
 from kvtier.keys import block_keys
 from kvtier.manager import TierManager
 
@@ -82,7 +82,9 @@ class SchedulerSide:
         if state is None:
             extra = []
             if getattr(request, "lora_request", None) is not None:
-                extra.append("lora:" + str(request.lora_request.lora_name))
+                # The adapter's content, not only its name: one reloaded under the same name
+                # with other weights must not be served the old adapter's KV.
+                extra.append(f"lora:{request.lora_request.lora_name}:{adapter_fingerprint(request.lora_request)}")
             if getattr(request, "cache_salt", None):
                 extra.append("salt:" + str(request.cache_salt))
             state = _RequestState(request, tuple(extra))
