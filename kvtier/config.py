@@ -88,6 +88,19 @@ def _parse_disk_dir(value: Any) -> str | None:
     return str(path)
 
 
+def _valid_key_file(value: str) -> bool:
+    from kvtier.entry import MIN_KEY_BYTES
+
+    path = Path(os.path.expanduser(value))
+    if not path.is_file():
+        raise ValueError("no such file")
+    if path.stat().st_mode & 0o077:
+        raise ValueError("the file is readable by others than its owner (chmod 600 it)")
+    if path.stat().st_size < MIN_KEY_BYTES:
+        raise ValueError(f"a key needs at least {MIN_KEY_BYTES} bytes")
+    return True
+
+
 def _parse_optional_str(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
@@ -181,6 +194,12 @@ KEYS: dict[str, _Key] = {
     "broadcast_shard_blocks": _Key(
         16, _parse_int, lambda v: 1 <= v <= 1_000_000, "an integer from 1 to 1000000",
         "Blocks per broadcast shard: about 2 shards of receive buffers are alive on a rank at once."),
+    "entry_key_file": _Key(
+        None, _parse_optional_str, lambda v: v is None or _valid_key_file(v),
+        "null, or the path of a file of at least 16 bytes readable by its owner only (mode 600)",
+        "A secret shared by the instances that trust each other: every entry written is tagged with a keyed "
+        "BLAKE3 MAC of its header and bytes, and only entries with a valid tag load. Without it, checksums "
+        "catch damage but not entries planted by whoever can write to disk_dir or the pool."),
     "model_id": _Key(
         None, _parse_optional_str, lambda v: True, "a string, or null to take the engine's model name",
         "Model identity mixed into every key; set it when two different models share a name or path."),
@@ -211,6 +230,7 @@ class KVTierConfig:
     layerwise: bool
     save_only_first_rank: bool
     broadcast_shard_blocks: int
+    entry_key_file: str | None
     model_id: str | None
     config_file: str | None
 

@@ -2,18 +2,26 @@
 
 An entry is a 64-byte header followed by the block's bytes (one host slot):
 
-    magic "KVTIER\\0\\1" | format version u32 | reserved u32 | namespace fingerprint 16B
-    | key 16B | payload length u64 | payload checksum xxh3-64 u64      (little-endian)
+    magic "KVTIER\\0\\1" | format version u32 | flags u32 | namespace fingerprint 16B
+    | key 16B | payload length u64 | payload checksum u64      (little-endian)
 
 A reader accepts an entry only if every field matches what it expects and the
 payload's checksum is right; anything else (corrupt, truncated, another model or
 layout or rank, another format version) is a miss. Nothing is ever unpickled.
+
+The checksum (xxh3-64 of the payload) catches damage, not forgery. With an entry
+key (``entry_key_file``), it is instead a keyed BLAKE3 tag (64 bits) over the
+header's fields and the payload, and the ``KEYED`` flag is set: an entry written
+without the key, or with another, is a miss. Readers with a key accept only keyed
+entries, readers without one only plain ones.
 """
 
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
+import blake3
 import xxhash
 
 from kvtier.keys import FORMAT_VERSION, KEY_BYTES
@@ -24,22 +32,41 @@ HEADER_BYTES = 64
 assert _HEADER.size <= HEADER_BYTES
 
 
+KEYED = 1  # flag: the checksum field is a keyed tag
+MIN_KEY_BYTES = 16
+
+
 def checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(fingerprint: bytes, key: bytes, payload) -> bytes:
+def load_entry_key(path: str | None) -> bytes | None:
+    """The 32-byte MAC key derived from the file at ``path`` (None: no key)."""
+    if path is None:
+        return None
+    return blake3.blake3(Path(path).read_bytes(), derive_key_context="kvtier entry key v1").digest()
+
+
+def _tag(mac_key: bytes, fingerprint: bytes, key: bytes, payload) -> int:
+    digest = blake3.blake3(fingerprint + key + len(payload).to_bytes(8, "little"), key=mac_key)
+    digest.update(payload)
+    return int.from_bytes(digest.digest(length=8), "little")
+
+
+def encode_header(fingerprint: bytes, key: bytes, payload, mac_key: bytes | None = None) -> bytes:
     if len(fingerprint) != KEY_BYTES or len(key) != KEY_BYTES:
         raise ValueError("fingerprint and key must be 16 bytes")
-    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, key, len(payload), checksum(payload))
+    flags, check = (0, checksum(payload)) if mac_key is None else (KEYED, _tag(mac_key, fingerprint, key, payload))
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, fingerprint, key, len(payload), check)
     return packed.ljust(HEADER_BYTES, b"\x00")
 
 
-def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_bytes: int) -> str | None:
+def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_bytes: int,
+                mac_key: bytes | None = None) -> str | None:
     """None if the entry is the expected one, else why it is not (a miss)."""
     if len(header) < HEADER_BYTES:
         return "truncated header"
-    magic, version, _, entry_fingerprint, entry_key, length, entry_checksum = _HEADER.unpack_from(header)
+    magic, version, flags, entry_fingerprint, entry_key, length, entry_checksum = _HEADER.unpack_from(header)
     if magic != MAGIC:
         return "not a kvtier entry"
     if version != FORMAT_VERSION:
@@ -50,6 +77,12 @@ def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_
         return "other key"
     if length != payload_bytes or len(payload) != payload_bytes:
         return f"truncated or wrong length ({len(payload)} of {length} bytes, expected {payload_bytes})"
+    if mac_key is not None:
+        if not flags & KEYED:
+            return "not signed with the entry key"
+        return None if _tag(mac_key, fingerprint, key, payload) == entry_checksum else "entry key tag mismatch"
+    if flags & KEYED:
+        return "signed with an entry key, and none is configured"
     if checksum(payload) != entry_checksum:
         return "checksum mismatch"
     return None

@@ -46,6 +46,8 @@ class ManagerStats:
     stored_blocks: int = 0
     failed_store_blocks: int = 0
     skipped_store_blocks: int = 0  # no free or evictable host slot
+    abandoned_loads: int = 0  # reads not answered within load_timeout_s (recomputed)
+    abandoned_stores: int = 0  # tier writes not answered in time (given up, slots held until they end)
     bad_entries: int = 0
     load_bytes: int = 0
     load_seconds: float = 0.0
@@ -287,7 +289,11 @@ class TierManager:
             self.stats.load_seconds += seconds
             return
         success = all(r.success for r in reports)
-        self.host.complete_store(job.slot_ids, success)
+        held: Counter = Counter(slot for r in reports for slot in r.held_slot_ids)
+        self.stats.abandoned_stores += bool(held)
+        for slot in held:  # a late tier write may still read it: pinned until released, then dropped
+            self._held[slot] = held[slot]
+        self.host.complete_store([slot for slot in job.slot_ids if slot not in held], success)
         self.stats.store_bytes += num_bytes
         self.stats.store_seconds += seconds
         if success:
@@ -307,6 +313,7 @@ class TierManager:
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)
         held: Counter = Counter(slot for r in reports for slot in r.held_slot_ids)
+        self.stats.abandoned_loads += any(r.held_slot_ids for r in reports)
         for block_id, slot_id in zip(job.fill_block_ids, job.fill_slot_ids):
             if slot_id in held:  # a read abandoned after its timeout may still write it
                 self._held[slot_id] = held[slot_id]

@@ -1,59 +1,116 @@
 """A small OpenAI-compatible proxy for prefill/decode disaggregation through the pool.
 
 Each completion or chat request goes first to a prefill instance (kvtier
-``kv_producer``) with ``max_tokens=1``, which returns once the prompt's blocks are
-durable in the pool, then, unchanged, to a decode instance (``kv_consumer``),
-which loads them; the decode instance's answer (streamed or not) is returned.
-Instances are used round-robin. ``kvtier proxy --prefill URL --decode URL``.
+``kv_producer``) with ``max_tokens=1`` and one sequence (``n=1``, no ``best_of``),
+which returns once the prompt's blocks are durable in the pool, then, unchanged, to
+a decode instance (``kv_consumer``), which loads them; the decode instance's answer
+(streamed or not) is returned. Instances are used round-robin.
+``kvtier proxy --prefill URL --decode URL``.
+
+What a client sees when something fails:
+- the client's own headers (``Authorization`` above all) reach both instances;
+- a body that is not a JSON object: 400, with an OpenAI-style error;
+- the prefill instance unreachable or failing (5xx): the request still goes to
+  decode, which computes the prompt itself (slower, but answered), and it is logged;
+  a 4xx from prefill (a bad request, a wrong API key) is returned as it is;
+- the decode instance unreachable: 502, with an OpenAI-style error;
+- decode dying in the middle of a stream: the stream ends with an error event
+  (``data: {"error": ...}``) and no ``[DONE]``, never with a silent truncation.
+No limit on connections to the instances (a few hung decodes never queue the
+others), and request bodies up to ``max_body_bytes``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 logger = logging.getLogger("kvtier.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Hop-by-hop and per-connection headers are the proxy's own; every other one is the client's.
+_NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+                  "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
 
 
-def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600) -> web.Application:
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _prefill_body(body: dict) -> dict:
+    """One sequence, one token, no stream: prefill's answer is only waited for, never used."""
+    prefill = {**body, "max_tokens": 1, "stream": False, "n": 1}
+    for key in ("max_completion_tokens", "stream_options", "best_of"):
+        prefill.pop(key, None)
+    return prefill
+
+
+def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600,
+             max_body_bytes: int = 64 << 20) -> web.Application:
     prefill_cycle, decode_cycle = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
-    app = web.Application()
+    app = web.Application(client_max_size=max_body_bytes)
 
     async def session(app_: web.Application):
-        app_["session"] = ClientSession(timeout=ClientTimeout(total=timeout_s))
+        app_["session"] = ClientSession(timeout=ClientTimeout(total=timeout_s), connector=TCPConnector(limit=0))
         yield
         await app_["session"].close()
 
     app.cleanup_ctx.append(session)
 
     async def forward(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as error:
+            return _error(400, f"the request body is not JSON: {error}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "invalid_request_error")
         http = request.app["session"]
-        prefill_body = {**body, "max_tokens": 1, "stream": False}
-        prefill_body.pop("max_completion_tokens", None)
-        prefill_body.pop("stream_options", None)
-        async with http.post(next(prefill_cycle) + request.path, json=prefill_body) as prefill:
-            if prefill.status != 200:  # the prefill instance refused: say so, do not decode
-                return web.Response(status=prefill.status, body=await prefill.read(),
-                                    content_type=prefill.content_type)
-            await prefill.read()
-        async with http.post(next(decode_cycle) + request.path, json=body) as decode:
-            if not body.get("stream"):
-                return web.Response(status=decode.status, body=await decode.read(),
-                                    content_type=decode.content_type)
-            response = web.StreamResponse(status=decode.status, headers={"Content-Type": decode.content_type})
-            await response.prepare(request)
-            async for chunk in decode.content.iter_any():
-                await response.write(chunk)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        prefill_url = next(prefill_cycle)
+        try:
+            async with http.post(prefill_url + request.path, json=_prefill_body(body), headers=headers) as prefill:
+                answer = await prefill.read()
+                if 400 <= prefill.status < 500:  # the request itself is refused: say so, do not decode
+                    return web.Response(status=prefill.status, body=answer, content_type=prefill.content_type)
+                if prefill.status != 200:
+                    logger.warning("kvtier proxy: prefill %s answered %d; decode computes the prompt itself",
+                                   prefill_url, prefill.status)
+        except (ClientError, TimeoutError) as error:
+            logger.warning("kvtier proxy: prefill %s failed (%r); decode computes the prompt itself",
+                           prefill_url, error)
+        decode_url = next(decode_cycle)
+        response = None
+        try:
+            async with http.post(decode_url + request.path, json=body, headers=headers) as decode:
+                if not body.get("stream") or decode.status != 200:
+                    return web.Response(status=decode.status, body=await decode.read(),
+                                        content_type=decode.content_type)
+                response = web.StreamResponse(status=200, headers={"Content-Type": decode.content_type})
+                await response.prepare(request)
+                async for chunk in decode.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (ClientError, TimeoutError) as error:
+            logger.warning("kvtier proxy: decode %s failed (%r)", decode_url, error)
+            message = f"the decode instance failed: {error!r}"
+            if response is None:
+                return _error(502, message, "upstream_error")
+            # Headers are out: the failure is told in the stream, and it ends without [DONE].
+            event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await response.write_eof()
             return response
 
     async def models(request: web.Request) -> web.Response:
-        async with request.app["session"].get(decode_urls[0] + "/v1/models") as reply:
-            return web.Response(status=reply.status, body=await reply.read(), content_type=reply.content_type)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            async with request.app["session"].get(decode_urls[0] + "/v1/models", headers=headers) as reply:
+                return web.Response(status=reply.status, body=await reply.read(), content_type=reply.content_type)
+        except (ClientError, TimeoutError) as error:
+            return _error(502, f"the decode instance failed: {error!r}", "upstream_error")
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -67,4 +124,5 @@ def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float =
 
 def serve(prefill_urls: list[str], decode_urls: list[str], host: str, port: int) -> None:
     print(f"kvtier proxy on http://{host}:{port}: prefill {prefill_urls}, decode {decode_urls}", flush=True)
-    web.run_app(make_app(prefill_urls, decode_urls), host=host, port=port, print=None)
+    # SIGTERM: requests in flight get 10 s to finish, then the proxy exits regardless.
+    web.run_app(make_app(prefill_urls, decode_urls), host=host, port=port, print=None, shutdown_timeout=10)

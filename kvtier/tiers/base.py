@@ -131,6 +131,7 @@ class TierStore(ABC):
     ``num_slots`` rows of ``slot_bytes``. Jobs name slots by row."""
 
     host = None
+    mac_key: bytes | None = None  # entries are tagged and checked with this key (``entry_key_file``)
 
     def attach(self, host_slots) -> None:
         self.host = host_slots

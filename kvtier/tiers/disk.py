@@ -319,7 +319,7 @@ class DiskStore(TierStore):
     def write(self, key: bytes, payload: memoryview, location: int) -> None:
         """Write one entry into its place: the payload, then the header that makes it valid."""
         fd, offset = self._file(location)
-        header = encode_header(self.rank_fingerprint, key, payload)
+        header = encode_header(self.rank_fingerprint, key, payload, self.mac_key)
         _pwrite_all(fd, payload, offset + HEADER_BYTES)
         # Header last: before this, the place's old header does not match the new payload.
         _pwrite_all(fd, memoryview(header), offset)
@@ -334,7 +334,7 @@ class DiskStore(TierStore):
         got = os.preadv(fd, [header, out], offset)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key)
 
     def close(self) -> None:
         if self._threads is not None:

@@ -86,7 +86,7 @@ class EntryFiles(TierStore):
             _make_dirs(self.root, path.parent)
             with self._lock:
                 self._made_dirs.add(parent)
-        header = encode_header(self.rank_fingerprint, key, payload)
+        header = encode_header(self.rank_fingerprint, key, payload, self.mac_key)
         temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
@@ -129,7 +129,7 @@ class EntryFiles(TierStore):
             os.close(fd)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out))
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key)
 
 
 def _make_dirs(root: Path, path: Path) -> None:

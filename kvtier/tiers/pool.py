@@ -20,6 +20,7 @@ misses at once; the next call after that reconnects.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -91,9 +92,13 @@ class GuardedClient:
         self.retry_s = retry_s
         self.max_calls = max_calls
         self._lease: _Lease | None = None
+        self._connecting = False
+        self._started: dict[int, float] = {}  # call -> when it began, for the calls in flight
+        self._call_ids = itertools.count()
         self._calls = 0  # in every lease, retired ones included
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._connected = threading.Condition(self._lock)  # a connect ended (well or not)
         self._registered: list[tuple[int, int]] = []
         self.num_failures = 0
         self.num_refused = 0  # calls turned away because max_calls were in flight
@@ -108,21 +113,43 @@ class GuardedClient:
 
     def _acquire(self) -> _Lease:
         with self._lock:
+            # Another thread is connecting: wait for it (the lock is free meanwhile), at most timeout_s.
+            deadline = time.monotonic() + self.timeout_s
+            while self._lease is None and self._connecting and self.available:
+                if not self._connected.wait(deadline - time.monotonic()):
+                    self.num_refused += 1
+                    raise _Busy("connecting")
             if not self.available:
                 raise PoolUnavailable(f"marked down for another {self._down_until - time.monotonic():.1f} s")
             if self._calls >= self.max_calls:
                 self.num_refused += 1
                 raise _Busy(f"{self._calls} calls in flight")
-            if self._lease is None:
-                # Connecting under the lock: callers meanwhile wait at most one connect, which
-                # the client's own connect timeout bounds.
-                lease = _Lease(self._connect())
-                for address, num_bytes in self._registered:
-                    lease.client.register(address, num_bytes)
+            if self._lease is not None:
+                self._lease.calls += 1
+                self._calls += 1
+                return self._lease
+            self._connecting = True  # one connect at a time, outside the lock: a hung connect holds
+            # one thread, never the lock that marking the pool down (from any thread) needs
+        try:
+            client = self._connect()
+            for address, num_bytes in self._registered:
+                client.register(address, num_bytes)
+        except BaseException:
+            with self._lock:
+                self._connecting = False
+                self._connected.notify_all()
+            raise
+        with self._lock:
+            self._connecting = False
+            self._connected.notify_all()
+            lease = _Lease(client)
+            if not self.available:  # marked down while connecting: this client is not used
+                lease.retired = True
+            else:
                 self._lease = lease
-            self._lease.calls += 1
+            lease.calls += 1
             self._calls += 1
-            return self._lease
+            return lease
 
     def _release(self, lease: _Lease) -> None:
         with self._lock:
@@ -147,14 +174,25 @@ class GuardedClient:
             close = lease is not None and lease.calls == 0
             if lease is not None:
                 lease.retired = True
+            self._connected.notify_all()  # callers waiting for a connect: the pool is down now
         if was_up:  # one line per outage, not one per call that finds it
             logger.warning("kvtier: storage pool %s failed (%s); using the other tiers for %.0f s",
                            redact(self.url), redact(error), self.retry_s)
         if close:
             _close_quietly(lease.client)
 
+    def _mark_down_if_overdue(self) -> None:
+        """A call in flight past ``timeout_s`` marks the pool down now, not when it returns: the
+        calls after it do not queue behind a pool that has stopped answering."""
+        with self._lock:
+            oldest = min(self._started.values(), default=None)
+        if oldest is not None and self.available and time.monotonic() - oldest > self.timeout_s:
+            self.mark_down(PoolUnavailable(f"a call in flight for {time.monotonic() - oldest:.2f} s"))
+
     def call(self, method: str, *args) -> list | None:
         """``client.<method>(*args)``, or None if the pool is down, busy, or the call failed."""
+        self._mark_down_if_overdue()
+        call_id = next(self._call_ids)
         try:
             lease = self._acquire()
         except _Busy:
@@ -164,7 +202,7 @@ class GuardedClient:
                 self.mark_down(error)
             return None
         try:
-            began = time.monotonic()
+            began = self._started[call_id] = time.monotonic()
             result = getattr(lease.client, method)(*args)
             elapsed = time.monotonic() - began
             if elapsed > self.timeout_s:  # answered, but too slowly to keep using for now
@@ -174,6 +212,7 @@ class GuardedClient:
             self.mark_down(error)
             return None
         finally:
+            self._started.pop(call_id, None)
             self._release(lease)
 
     def close(self) -> None:
@@ -214,6 +253,7 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
     index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
                            on_overdue=guarded.mark_down)
     index.client = guarded  # closed with the index
+    index.stats = lambda: {"down": guarded.num_failures}
     close = index.close
 
     def close_both():
@@ -246,13 +286,14 @@ class PoolStore(TierStore):
                                  [memoryview(self.host[s]) for s in slot_ids])
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
-        return [check_entry(bytes(self._headers[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes)
+        return [check_entry(bytes(self._headers[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes,
+                            self.mac_key)
                 if hit else "missing or wrong size in the storage pool"
                 for key, slot, hit in zip(keys, slot_ids, found)]
 
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         for key, slot in zip(keys, slot_ids):
-            self._headers[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot]), np.uint8)
+            self._headers[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key), np.uint8)
         stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],
                                   [memoryview(self._headers[s]) for s in slot_ids],
                                   [memoryview(self.host[s]) for s in slot_ids])

@@ -13,6 +13,7 @@ import importlib
 from typing import Sequence
 from urllib.parse import urlparse
 
+from kvtier.entry import load_entry_key
 from kvtier.tiers.base import TierIndex, TierSpec, TierStore
 
 # URL scheme -> (tier name, module).
@@ -42,12 +43,14 @@ def tier_specs(config) -> list[TierSpec]:
     specs = []
     if config.disk_dir:
         specs.append(TierSpec("disk", DISK_MODULE, config.disk_dir, config.disk_bytes, threads=config.disk_io_threads,
-                              options={"write": "disk" in config.store_to}))
+                              options={"write": "disk" in config.store_to,
+                                       "entry_key_file": config.entry_key_file}))
     if config.remote_url:
         name, module = SCHEMES[urlparse(config.remote_url).scheme]
         specs.append(TierSpec(name, module, config.remote_url, None, config.remote_timeout_s, config.remote_retry_s,
                               threads=config.disk_io_threads,
-                              options={"write": "remote" in config.store_to, "ttl_s": config.remote_ttl_s}))
+                              options={"write": "remote" in config.store_to, "ttl_s": config.remote_ttl_s,
+                                       "entry_key_file": config.entry_key_file}))
     return specs
 
 
@@ -56,4 +59,6 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
 
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> TierStore:
-    return importlib.import_module(spec.module).make_store(spec, rank_fingerprint, slot_bytes)
+    store = importlib.import_module(spec.module).make_store(spec, rank_fingerprint, slot_bytes)
+    store.mac_key = load_entry_key(spec.options.get("entry_key_file"))  # read here, in the I/O process
+    return store

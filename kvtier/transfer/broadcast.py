@@ -16,6 +16,12 @@ first rank 0 broadcasts which blocks it has; then all ranks agree, with one
 all-reduce, that each of them is ready; only then do the shards move. A failure
 anywhere (rank 0 missing blocks, a rank unable to take part) makes every rank
 fall back to recompute together; no rank skips or substitutes a collective.
+
+A rank that leaves the protocol half-way (an error on it between two collectives,
+or a collective past the group's timeout because another rank did) is ``broken``
+from then on: it never calls another collective, since a late one could pair with
+the wrong call of another rank and deliver another job's bytes. Its later loads
+fail at once (recompute), and the other ranks, timing out on it, break likewise.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ShardedBroadcaster:
         self.shard_blocks = shard_blocks
         self.src_rank = src_rank
         self.rank = dist.get_rank(group)
+        self.broken = False
 
     def load(self, block_ids: Sequence[int], host_slots: np.ndarray | None = None,
              slot_ids: Sequence[int] | None = None, available: np.ndarray | None = None,
@@ -63,6 +70,15 @@ class ShardedBroadcaster:
         of them it has; other ranks pass none of these. The slots must stay pinned until
         this returns. ``ready`` is this rank's own ability to take part.
         """
+        if self.broken:
+            return BroadcastResult(False, np.zeros(len(block_ids), dtype=bool), 0, 0.0)
+        try:
+            return self._load(block_ids, host_slots, slot_ids, available, ready)
+        except Exception:
+            self.broken = True  # out of step with the other ranks: no collective ever again
+            raise
+
+    def _load(self, block_ids, host_slots, slot_ids, available, ready) -> BroadcastResult:
         began = time.perf_counter()
         n = len(block_ids)
         # 1. Which blocks rank 0 has: every rank learns the same mask.

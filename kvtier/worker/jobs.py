@@ -50,6 +50,10 @@ class Store:
     transfers_left: int = 1  # layer-wise: one transfer per layer
     copy_result: TransferResult | None = None
     layer_transfers: list[TransferJob | None] | None = None  # layer-wise: each layer's, until it is sent
+    raced: bool = False  # the engine reused its blocks before its copy ended: never persisted
+    abandon_at: float = float("inf")  # when writes still unanswered are given up (report sent, slots held)
+    answered: set = field(default_factory=set)  # tiers whose writes the I/O process answered
+    abandoned: bool = False
 
 
 class JobBook:

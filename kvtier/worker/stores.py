@@ -45,10 +45,12 @@ class FailedWritesLog:
 
 
 class StorePath:
-    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, is_source: bool, verifier=None):
+    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, is_source: bool, verifier=None,
+                 abandon_s: float = 30.0):
         self.book = book
         self.io = io  # IOProcess, or None where this worker writes no tier
         self.write_timeout_s = write_timeout_s
+        self.abandon_s = abandon_s  # writes unanswered this long after they were sent are given up
         self.num_layers = num_layers
         self.is_source = is_source  # replicated KV: only rank 0 stores
         self.verifier = verifier
@@ -122,9 +124,12 @@ class StorePath:
         """On the progress thread: the device -> host copy is over; write through at once."""
         report, job = store.report, store.job
         report.num_bytes, report.seconds = result.num_bytes, result.seconds
-        writes = job.writes if result.success else {}
-        if not result.success:
-            logger.warning("kvtier: store job %d failed (%s)", job.job_id, result.error)
+        with self.book.lock:
+            raced = store.raced
+        writes = job.writes if result.success and not raced else {}
+        if not result.success or raced:
+            if not raced:
+                logger.warning("kvtier: store job %d failed (%s)", job.job_id, result.error)
             report.success = False
             report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
         elif self.verifier is not None:
@@ -132,6 +137,7 @@ class StorePath:
         with self.book.lock:
             store.device_reads_done = True  # from here on the device blocks may be reused
             store.writes_left = len(writes)
+            store.abandon_at = time.monotonic() + self.abandon_s
             if not writes:
                 self._finish(store)
         deadline = time.monotonic() + self.write_timeout_s
@@ -149,10 +155,32 @@ class StorePath:
         if failed:
             self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
         with self.book.lock:
+            store.writes_left -= 1
+            if store.abandoned:  # reported already; the slots it held are free once no write reads them
+                if store.writes_left == 0:
+                    self.book.release(store.job.slot_ids)
+                return
+            store.answered.add(tier)
             if failed:
                 store.report.failed_writes[tier] = failed
-            store.writes_left -= 1
             if store.writes_left == 0:
+                self._finish(store)
+
+    def abandon_overdue(self, now: float) -> None:
+        """Report stores whose tier writes are unanswered ``abandon_s`` after they were sent (a
+        pool that hangs): those writes count as failed, and the store's host slots are held, not
+        reused, until the late writes have stopped reading them (``released_slots``)."""
+        with self.book.lock:
+            for job_id, store in list(self.book.stores.items()):
+                if not store.device_reads_done or store.writes_left == 0 or now < store.abandon_at:
+                    continue
+                store.abandoned = True
+                late = [tier for tier in store.job.writes if tier not in store.answered]
+                for tier in late:
+                    store.report.failed_writes[tier] = list(store.job.writes[tier])
+                store.report.held_slot_ids = list(store.job.slot_ids)
+                logger.warning("kvtier: store job %d: writes to %s unanswered after %.0f s; given up, its host "
+                               "slots held until they return", job_id, ", ".join(late), self.abandon_s)
                 self._finish(store)
 
     def _finish(self, store: Store) -> None:  # under the lock
@@ -171,7 +199,18 @@ class StorePath:
             # CUDA: what the engine queues next (the writes that reuse these blocks, and loads,
             # whose streams wait for the compute stream) runs after the copies; no host wait.
             return True
-        return self.book.transfers.wait(wanted, timeout)
+        if self.book.transfers.wait(wanted, timeout):
+            return True
+        # The engine reuses the blocks now: a copy still reading them may read the new KV. Such a
+        # store is never persisted, nor kept in the host pool (it is reported failed when it ends).
+        with self.book.lock:
+            raced = [j for j in store_job_ids if j in self.book.stores and not self.book.stores[j].device_reads_done]
+            for job_id in raced:
+                self.book.stores[job_id].raced = True
+        if raced:
+            logger.error("kvtier: stores %s still copying after %.1f s while the engine reuses their blocks; "
+                         "they will not be stored", raced, timeout)
+        return not raced
 
     def wait_for_stores(self, store_job_ids: Sequence[int], timeout: float) -> bool:
         """Block until the stores are complete everywhere (every tier written), or ``timeout``."""

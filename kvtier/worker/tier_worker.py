@@ -76,7 +76,7 @@ class TierWorker:
         self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.layout.slot_bytes,
                               self._advance, self.verifier, self.replicated)
         self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.is_source,
-                                self.verifier)
+                                self.verifier, abandon_s=config.load_timeout_s + config.remote_timeout_s)
         self._closed = False
         self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
         self._progress.start()
@@ -152,7 +152,9 @@ class TierWorker:
             self._wake.clear()
             try:
                 self._advance()
-                self.loads.abandon_overdue(time.monotonic())
+                now = time.monotonic()
+                self.loads.abandon_overdue(now)
+                self.stores.abandon_overdue(now)
             except Exception:  # a bug here must not stop every later job from being reported
                 logger.exception("kvtier: progress thread error")
 

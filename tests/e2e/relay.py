@@ -30,7 +30,11 @@ class Relay:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.upstream)
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the server is gone: so is this client's connection
+                client.close()
+                continue
             self._sockets += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()

@@ -14,9 +14,9 @@ import urllib.request
 from kvtier.servers import free_port
 
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> dict:
+def http_json(url: str, payload: dict | None = None, timeout: float = 120, headers: dict | None = None) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -28,8 +28,10 @@ def http_text(url: str, timeout: float = 30) -> str:
 
 @contextlib.contextmanager
 def vllm_server(model: str, kv_transfer_config: dict | None, log_path, port: int | None = None,
-                extra_args: tuple[str, ...] = (), env: dict | None = None, startup_timeout: float = 300):
-    """``vllm serve`` on 127.0.0.1; yields its base URL and stops it on exit."""
+                extra_args: tuple[str, ...] = (), env: dict | None = None, startup_timeout: float = 300,
+                procs: list | None = None):
+    """``vllm serve`` on 127.0.0.1; yields its base URL and stops it on exit. ``procs``, if given,
+    gets its process (the leader of a process group of its own)."""
     port = port or free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
@@ -40,6 +42,8 @@ def vllm_server(model: str, kv_transfer_config: dict | None, log_path, port: int
     log = open(log_path, "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+    if procs is not None:
+        procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

@@ -24,12 +24,16 @@ COUNTERS = {
     "failed_load_blocks": "Blocks that failed to load and were recomputed",
     "bad_entries": "Stored entries found corrupt, truncated, foreign or missing",
     "skipped_store_blocks": "Blocks not stored for lack of free host slots",
+    "failed_store_blocks": "Blocks whose store failed (the copy failed, or the engine reused them first)",
+    "abandoned_loads": "Loads whose reads did not end within load_timeout_s (recomputed)",
+    "abandoned_stores": "Stores whose tier writes went unanswered and were given up",
 }
 TIER_COUNTERS = {
     "hit_tokens": "Prompt tokens loaded, by the tier they came from",
     "written_blocks": "Blocks written through to a tier",
     "failed_writes": "Blocks that could not be written to a tier (down, slow, full or failing)",
     "evictions": "Blocks or entries evicted from a tier",
+    "down": "Times a shared tier was marked down (a failed call, or one past remote_timeout_s)",
 }
 GAUGES = {
     "host_used_slots": "Host pool slots in use",
@@ -109,13 +113,15 @@ class StatsTracker:
             "load_bytes": stats.load_bytes, "load_seconds": stats.load_seconds,
             "store_bytes": stats.store_bytes, "store_seconds": stats.store_seconds,
             "failed_load_blocks": stats.failed_load_blocks, "bad_entries": stats.bad_entries,
-            "skipped_store_blocks": stats.skipped_store_blocks,
+            "skipped_store_blocks": stats.skipped_store_blocks, "failed_store_blocks": stats.failed_store_blocks,
+            "abandoned_loads": stats.abandoned_loads, "abandoned_stores": stats.abandoned_stores,
             "evictions|host": manager.host.num_evictions,
             **{f"hit_tokens|{tier}": tokens for tier, tokens in hit_tokens.items()},
             **{f"written_blocks|{tier}": n for tier, n in stats.written_blocks.items()},
             **{f"failed_writes|{tier}": n for tier, n in stats.failed_writes.items()},
             **{f"evictions|{tier.name}": tier.stats()["evictions"] for tier in manager.tiers
                if "evictions" in tier.stats()},
+            **{f"down|{tier.name}": tier.stats()["down"] for tier in manager.tiers if "down" in tier.stats()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         if not any(deltas.values()):

@@ -10,6 +10,7 @@ still read blocks vLLM is about to reuse.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
 
@@ -30,6 +31,7 @@ class WorkerSide:
         self._released_slot_ids: list[int] = []
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         self._step_layer_loads: list[int] = []  # this step's layer-wise loads
+        self._step_layer_blocks: set[int] = set()  # their device blocks
         self._layerwise_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
@@ -52,7 +54,11 @@ class WorkerSide:
                 raise ValueError("kvtier config: key 'save_only_first_rank' supports tensor parallelism without "
                                  "pipeline parallelism")
             # kvtier's own group: its collectives run on kvtier's thread, never interleaved with vLLM's.
-            broadcast_group = dist.new_group(get_tp_group().ranks, backend="gloo")
+            # Bounded: rank 0 enters a load's collectives after its reads (up to load_timeout_s);
+            # past that and a margin, a rank that waits gives up and recomputes (gloo's own default
+            # would hold it for 30 minutes).
+            broadcast_group = dist.new_group(get_tp_group().ranks, backend="gloo",
+                                             timeout=timedelta(seconds=self.config.load_timeout_s + 30))
         self.tier_worker = TierWorker(self.config, tensors, self.geometry.num_blocks, self.geometry.block_size,
                                       self.geometry.namespace, self.tp_rank, broadcast_group=broadcast_group)
         if self.tier_worker.layout.slot_bytes != self.geometry.slot_bytes:
@@ -85,13 +91,14 @@ class WorkerSide:
                 yield job
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        self._step_layer_loads = []
+        self._step_layer_loads, self._step_layer_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
             if job.layerwise and self.tier_worker.num_layers == len(self._layer_index):
                 # Every layer's copy starts now, in layer order; each layer's attention waits for its own.
                 self.tier_worker.submit_load_layers(job)
                 self._step_layer_loads.append(job.job_id)
+                self._step_layer_blocks.update(job.ready_block_ids)
                 self._layerwise_load_ids.add(job.job_id)
             else:
                 self.tier_worker.submit_load(job)
@@ -103,7 +110,15 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._step_layer_loads:
             # Only this layer: layers after it keep arriving while it computes.
-            self.tier_worker.wait_for_layer(self._step_layer_loads, self._layer_index[layer_name])
+            layer = self._layer_index[layer_name]
+            if not self.tier_worker.wait_for_layer(self._step_layer_loads, layer, self.config.load_timeout_s):
+                # The layer's KV is not in the device cache in time: this step's layer-wise blocks are
+                # reported failed, so vLLM recomputes them (and drops what this step computed on them).
+                # A late copy still lands the same bytes, into blocks pinned until it does.
+                logger.error("kvtier: layer %d of loads %s not copied within load_timeout_s=%.1f s; their "
+                             "blocks will be recomputed", layer, self._step_layer_loads, self.config.load_timeout_s)
+                self._load_error_block_ids.update(self._step_layer_blocks)
+                self._step_layer_loads = []
 
     def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
         if not self.config.layerwise or not meta.store_jobs or self.tier_worker.num_layers != len(self._layer_index):
@@ -122,7 +137,7 @@ class WorkerSide:
             submitted.append(job.job_id)
         if self.config.layerwise and submitted:
             # Every layer of this step is copied before the next step may overwrite anything.
-            self.tier_worker.wait_for_device_reads(submitted)
+            self.tier_worker.wait_for_device_reads(submitted, self.config.load_timeout_s)
         self._send_waits.update(meta.send_waits)
         if self.is_producer and submitted:
             # Prefill/decode hand-off: this step's output (the first token) leaves only once
@@ -134,7 +149,7 @@ class WorkerSide:
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         if meta.preempted_store_job_ids and self.tier_worker is not None:
             # vLLM reuses a preempted request's blocks in this step: finish reading them first.
-            self.tier_worker.wait_for_device_reads(meta.preempted_store_job_ids)
+            self.tier_worker.wait_for_device_reads(meta.preempted_store_job_ids, self.config.load_timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_recving: set[str] = set()

@@ -1,0 +1,112 @@
+"""``kvtier proxy`` as a process of its own, against backends that fail for real: an address
+nothing listens on, and servers that accept connections and never answer."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+from kvtier.servers import free_port
+from tests.e2e.apps import ROOT
+
+
+class BlackHole:
+    """Accepts every connection and never answers (a hung instance); counts connections."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.accepted.append(self.listener.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        self.listener.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@contextmanager
+def proxy(prefill: str, decode: str, log_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill, "--decode", decode,
+                             "--port", str(port)], cwd=ROOT, start_new_session=True,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the proxy did not start"
+                time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_body_that_is_not_json_is_a_400_and_a_dead_decode_a_502(tmp_path):
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with proxy(nowhere, nowhere, tmp_path / "proxy.log") as url:
+        status, answer = post(url + "/v1/completions", b"{not json")
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        status, answer = post(url + "/v1/completions", b"[1, 2]")
+        assert status == 400 and "JSON object" in answer["error"]["message"]
+        status, answer = post(url + "/v1/completions", json.dumps({"model": "m", "prompt": "hi"}).encode())
+        assert status == 502 and answer["error"]["type"] == "upstream_error"  # prefill and decode both down
+    log = (tmp_path / "proxy.log").read_text()
+    assert "decode computes the prompt itself" in log  # prefill's failure did not end the request
+
+
+def test_hung_instances_never_queue_the_requests_behind_them(tmp_path):
+    """150 requests at once to instances that never answer: every one of them reaches an
+    instance at once (a fixed pool of 100 connections made the 101st wait), and a large body
+    (2 MiB) is forwarded, not refused with 413."""
+    hole = BlackHole()
+    with proxy(hole.url, hole.url, tmp_path / "proxy.log") as url:
+        body = json.dumps({"model": "m", "prompt": "w3 " * 700_000}).encode()  # about 2 MiB
+        senders = []
+        for i in range(150):
+            request = urllib.request.Request(url + "/v1/completions", data=body if i == 0 else b'{"prompt": "x"}',
+                                             headers={"Content-Type": "application/json"})
+            sender = threading.Thread(target=lambda r=request: _ignore(urllib.request.urlopen, r, timeout=60),
+                                      daemon=True)
+            sender.start()
+            senders.append(sender)
+        deadline = time.monotonic() + 20
+        while len(hole.accepted) < 150:
+            assert time.monotonic() < deadline, f"only {len(hole.accepted)} of 150 requests reached an instance"
+            time.sleep(0.1)
+        hole.close()  # the instances go away: the proxy's requests end, and so does the proxy
+
+
+def _ignore(function, *args, **kwargs):
+    try:
+        function(*args, **kwargs)
+    except OSError:
+        pass
