@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from kvtier.bench.report import print_table
@@ -80,6 +81,15 @@ def _bench_ttft(args) -> dict:
     return ttft.main(args)
 
 
+def _doctor(args) -> dict:
+    from kvtier import doctor
+
+    report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout)
+    if not args.json:
+        doctor.print_report(report)
+    return report
+
+
 def _demo(args) -> dict:
     from kvtier.demo import workload
 
@@ -122,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--quick", action="store_true", help="a smaller model and fewer, shorter prompts")
     tiers.add_argument("--json", action="store_true")
     tiers.set_defaults(run=lambda args: __import__("kvtier.bench.tiers", fromlist=["x"]).main(args))
+
+    events = benches.add_parser("events", help="what kvtier's KV events cost the scheduler's thread per block")
+    events.add_argument("--json", action="store_true")
+    events.set_defaults(run=lambda args: __import__("kvtier.bench.events", fromlist=["x"]).main(args))
 
     layerwise = benches.add_parser("layerwise", help="transfer time hidden behind compute, layer by layer")
     layerwise.add_argument("--workdir", default="kvtier-out/bench-layerwise")
@@ -169,8 +183,25 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("--markdown", action="store_true")
     config.set_defaults(run=lambda args: print(__import__("kvtier.config", fromlist=["x"]).markdown_table()))
 
+    doctor = commands.add_parser("doctor", help="check a configuration: every tier round-trips a block, disk_dir "
+                                                "has room; exit status 1 when a tier is unusable, 2 when the "
+                                                "configuration is invalid")
+    doctor.add_argument("--config", default=None, help="a kvtier YAML file")
+    doctor.add_argument("--kv-transfer-config", default=None,
+                        help="vLLM's --kv-transfer-config JSON (its kv_connector_extra_config is read)")
+    doctor.add_argument("--model", default=None, help="print this model directory's content fingerprint")
+    doctor.add_argument("--timeout", type=float, default=20.0, help="seconds each tier's check may take")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(run=_doctor)
+
     args = parser.parse_args(argv)
     result = args.run(args)
+    if args.command == "doctor":
+        if args.json:
+            json.dump(result, sys.stdout, indent=2)
+            print()
+        sys.stdout.flush()
+        os._exit(result["status"])  # a tier check given up may still hold a thread inside its client
     if getattr(args, "json", False) and result is not None:
         json.dump(result, sys.stdout, indent=2)
         print()

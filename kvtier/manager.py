@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -62,7 +62,8 @@ class _Pending:
 
 
 class TierManager:
-    def __init__(self, config: KVTierConfig, slot_bytes: int, rank_fingerprints: Sequence[bytes], num_workers: int = 1):
+    def __init__(self, config: KVTierConfig, slot_bytes: int, rank_fingerprints: Sequence[bytes], num_workers: int = 1,
+                 track_holdings: bool = False):
         self.config = config
         self.slot_bytes = slot_bytes
         self.num_workers = num_workers
@@ -80,10 +81,56 @@ class TierManager:
         # plans or goes away: another request's lookup does not count on the same slots.
         self._promised: dict[str, int] = {}
         self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
+        self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
+        # What each index says became loadable from it or stopped being, and why. Drained into
+        # ``_gone`` (why a key that was somewhere is not any more: the reason of a later miss)
+        # and, for KV events, into what ``take_holdings`` returns.
+        self._holdings: list = []
+        for index in [self.host, *self.tiers]:
+            index.holdings = self._holdings
+        self._events_out: list | None = [] if track_holdings else None
+        self._gone: OrderedDict[bytes, str] = OrderedDict()  # key -> "evicted_<tier>" or "damaged"
+        self.max_gone = 200_000
+        self.misses: Counter = Counter()  # reason -> prompt tokens missed for it (the first missed block's)
+
+    def take_holdings(self) -> list[tuple[str, str, bytes]]:
+        """What became loadable from each tier, and what stopped being, since the last call
+        (with ``track_holdings``)."""
+        self._absorb()
+        taken, self._events_out = self._events_out or [], [] if self._events_out is not None else None
+        return taken
+
+    def _absorb(self) -> None:
+        if not self._holdings:
+            return
+        for kind, tier, key in self._holdings:
+            if kind == "stored":
+                self._gone.pop(key, None)
+            else:
+                self._gone[key] = "damaged" if kind == "damaged" else f"evicted_{tier}"
+                self._gone.move_to_end(key)
+        while len(self._gone) > self.max_gone:
+            self._gone.popitem(last=False)
+        if self._events_out is not None:
+            self._events_out += self._holdings
+        self._holdings.clear()  # the same list object: every index appends to it
+
+    def miss_reason(self, key: bytes, token: str | None = None) -> str:
+        """Why ``key`` (the first block a lookup did not find) is not loadable: the tier that
+        evicted it, a damaged entry, a pool that was down or slow, no free host slot, or never
+        stored (or stored under another namespace, which looks the same from here)."""
+        self._absorb()
+        if token is not None and token in self._slot_limited:
+            return "no_free_host_slot"
+        if key in self._gone and not self.host.contains(key):
+            return self._gone[key]
+        if token is not None and any(getattr(tier, "unanswered", lambda t: False)(token) for tier in self.tiers):
+            return "pool_down_or_slow"
+        return "never_stored"
 
     def tier(self, name: str) -> TierIndex:
         return next(tier for tier in self.tiers if tier.name == name)
@@ -114,6 +161,9 @@ class TierManager:
         if token is not None:
             self._found[token] = found
         hits, taken = self._leading_hits(keys, found)
+        if token is not None:
+            limited = hits < len(keys) and self._source(keys[hits], found) is not None  # found, no slot
+            (self._slot_limited.add if limited else self._slot_limited.discard)(token)
         if token is not None and hits < len(keys) and self.host.is_being_written(keys[hits]):
             now = time.monotonic()
             if now - self._waiting_since.setdefault(token, now) < self.config.load_timeout_s:
@@ -163,6 +213,7 @@ class TierManager:
         self._found.pop(token, None)
         self._promised.pop(token, None)
         self._waiting_since.pop(token, None)
+        self._slot_limited.discard(token)
         for tier in self.tiers:
             tier.forget(token)
 

@@ -429,3 +429,32 @@ def test_calls_that_arrive_while_the_pool_connects_wait_for_it_and_succeed(tmp_p
             thread.join()
         assert answers == [[False]] * 4 and len(connects) == 1 and guarded.num_refused == 0
         guarded.close()
+
+
+def test_a_mooncake_pool_that_is_down_never_stops_the_processs_other_threads():
+    """Mooncake's client setup holds the GIL while it retries a master that is not there (90 s,
+    seen): the first call to a dead pool must fail fast, and another thread must keep running."""
+    import threading
+
+    from kvtier.servers import free_port
+    from kvtier.tiers.mooncake import MooncakeClient
+    from kvtier.tiers.pool import GuardedClient
+
+    url = f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata"
+    guarded = GuardedClient(url, lambda: MooncakeClient(url, 1.0), timeout_s=1.0, retry_s=60)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    began = time.monotonic()
+    assert guarded.call("exists", ["x"]) is None
+    took = time.monotonic() - began
+    stop.set()
+    ticker.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert took < 3 and max(gaps) < 0.5 and "unreachable" in guarded.last_error

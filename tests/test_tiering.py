@@ -32,7 +32,7 @@ def layouts():
 class Engine:
     """Drives a TierManager and a TierWorker the way the vLLM connector does."""
 
-    def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, kind=None, **config):
+    def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, kind=None, track_holdings=False, **config):
         probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None}, environ={}), tensors, NB, BS, NAMESPACE,
                            layout_kind=kind)
         slot_bytes, rank_fingerprint = probe.layout.slot_bytes, probe.rank_fingerprint
@@ -41,7 +41,7 @@ class Engine:
             "host_bytes": host_blocks * slot_bytes, "disk_dir": disk_dir,
             "disk_bytes": disk_blocks * (slot_bytes + HEADER_BYTES), **config}, environ={})
         self.tensors = tensors
-        self.manager = TierManager(self.config, slot_bytes, [rank_fingerprint])
+        self.manager = TierManager(self.config, slot_bytes, [rank_fingerprint], track_holdings=track_holdings)
         self.worker = TierWorker(self.config, tensors, NB, BS, NAMESPACE, layout_kind=kind)
 
     def run(self, jobs, submit, expect=None):
@@ -352,4 +352,24 @@ def test_a_layerwise_store_done_before_wait_for_save_is_not_stored_again(disk_di
     time.sleep(0.3)
     assert engine.worker.poll() == [] and engine.worker.num_jobs_in_flight == 0
     assert engine.manager.num_pending == 0 and engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_the_holdings_log_tells_what_each_tier_gained_and_lost(disk_dir):
+    """What KV events are made of: a store is loadable from host and disk once reported; host
+    evictions, a disk eviction and a corrupt entry dropped are removals, each once."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=4, disk_blocks=6, track_holdings=True)
+    engine.store(keys_of([1, 2, 3, 4]), [1, 2, 3, 4])
+    assert sorted(engine.manager.take_holdings()) == sorted(
+        [("stored", "host", k) for k in keys_of([1, 2, 3, 4])] + [("stored", "disk", k) for k in keys_of([1, 2, 3, 4])])
+    assert engine.manager.take_holdings() == []  # drained
+    engine.store(keys_of([5, 6, 7]), [5, 6, 7])  # host: 1, 2, 3 evicted; disk: 1 evicted (6 places)
+    taken = engine.manager.take_holdings()
+    assert sorted(k for kind, tier, k in taken if (kind, tier) == ("evicted", "host")) == keys_of([1, 2, 3])
+    assert [k for kind, tier, k in taken if (kind, tier) == ("evicted", "disk")] == keys_of([1])
+    assert sorted(k for kind, tier, k in taken if kind == "stored") == sorted(keys_of([5, 6, 7]) * 2)
+    # Why a later lookup misses them: 1 is on no tier any more (the disk evicted it last).
+    assert engine.manager.miss_reason(keys_of([1])[0]) == "evicted_disk"
+    assert engine.manager.miss_reason(keys_of([99])[0]) == "never_stored"
     engine.close()

@@ -183,3 +183,106 @@ def test_a_model_updated_in_place_is_never_served_the_old_weights_kv(workdir, tm
     assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == 0
     assert second["phases"][0]["outputs"]["0"]["cached"] == 0
     assert second["phases"][0]["outputs"]["0"]["tokens"] == fresh["phases"][0]["outputs"]["0"]["tokens"]
+
+
+def _fault_setup(case: str, tmp_path: Path, stack):
+    """(settings of the run that stores, of the run that loads) for one fault, its servers,
+    filesystems and relays entered on ``stack``."""
+    import os
+    import subprocess
+
+    base = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True}
+    if case == "disk-full":  # a 128 KiB filesystem under disk_dir: ENOSPC after two blocks
+        disk = tmp_path / "small"
+        disk.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k,mode=0700", "tmpfs", str(disk)], check=True)
+        stack.callback(subprocess.run, ["umount", "-l", str(disk)], check=True)
+        extra = {**base, "disk_dir": str(disk)}
+        return extra, extra
+    if case == "redis-full":  # maxmemory reached, noeviction: some SETs refused
+        server = stack.enter_context(local_redis(log_path=str(tmp_path / "redis.log"), maxmemory="2mb",
+                                                 policy="noeviction"))
+        extra = {**base, "remote_url": server.url}
+        return extra, extra
+    if case == "forged":  # entries written without the key, read by an instance that has it
+        key = tmp_path / "entry.key"
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+        shared = {**base, "remote_url": f"file://{tmp_path / 'shared'}"}
+        return shared, {**shared, "entry_key_file": str(key)}
+    from tests.e2e.relay import Relay  # "pool-slow": the load's replies held back, chunk by chunk
+
+    server = stack.enter_context(local_redis(log_path=str(tmp_path / "redis.log")))
+    relay = Relay(("127.0.0.1", server.port), arm_on=b"\r\nGET\r\n", delay_s=0.25)  # each chunk: ~4 s in all
+    stack.callback(relay.close)
+    return ({**base, "remote_url": server.url},
+            {**base, "remote_url": f"redis://127.0.0.1:{relay.port}/0", "load_timeout_s": 1,
+             "remote_timeout_s": 5})
+
+
+@pytest.mark.parametrize("case", ["disk-full", "redis-full", "forged", "pool-slow"])
+def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, model, reference, case, tmp_path):
+    """Real vLLM, one fault each: a full filesystem, a full Redis, entries planted by an
+    instance without the entry key, a pool that answers a load late. The second run's output
+    equals the run without a connector, the fault is counted, and pins end at zero."""
+    import os
+    from contextlib import ExitStack
+
+    if case == "disk-full" and os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with ExitStack() as stack:
+        store, load = _fault_setup(case, tmp_path, stack)
+        spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": "in_process"}
+        first = apps.run_app(workdir, f"fault-{case}-a", {**spec, "extra": store, "phases": [
+            {"prompts": [PROMPT], "max_tokens": 1}]})
+        # After the request, an idle while late reads end, then a step (a tiny request) that takes
+        # their released slots: the state read at the end is the state at rest.
+        second = apps.run_app(workdir, f"fault-{case}-b", {**spec, "extra": load, "phases": [
+            {"prompts": [PROMPT], "idle_s": 6}, {"prompts": [[5, 6, 7]], "max_tokens": 1}]})
+    assert second["phases"][0]["outputs"]["0"]["tokens"] == reference
+    for run in (first, second):
+        assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0
+        assert run["kvtier"]["verify_failures"] == 0
+    stats = second["kvtier"]["stats"]
+    if case == "disk-full":
+        assert 0 < first["kvtier"]["stats"]["failed_writes"]["disk"] < FULL_BLOCKS
+        assert 0 < second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] < FULL_BLOCKS * BLOCK  # what fit
+    elif case == "redis-full":
+        assert 0 < first["kvtier"]["stats"]["failed_writes"]["redis"] < FULL_BLOCKS
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] > 0  # the pool stayed up for reads
+    elif case == "forged":
+        assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
+        assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
+    else:
+        assert stats["abandoned_loads"] == 1 and stats["loaded_blocks"] == 0
+
+
+def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
+    """Real vLLM. A 16-block host pool: a new prompt (never stored), a second one that evicts
+    the first's oldest blocks, the first again (evicted from host), a third one twice (its full
+    blocks hit, its partial block was never stored); a dead pool (down); two prompts on disk
+    asked for at once through a 13-block host pool (the second finds no free slot to stage in)."""
+    from kvtier.servers import free_port
+
+    rng = random.Random(5)
+    a, b, c = ([rng.randrange(3, 2000) for _ in range(12 * BLOCK + 5)] for _ in range(3))
+    spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": "in_process"}
+    host = {"host_bytes": 16 * 49152, "disk_dir": None}  # 49152 bytes a block
+    first = apps.run_app(workdir, "misses-host", {**spec, "extra": host, "phases": [
+        {"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1}, {"prompts": [a], "max_tokens": 1},
+        {"prompts": [c], "max_tokens": 1}, {"prompts": [c], "max_tokens": 1}]})
+    down = apps.run_app(workdir, "misses-down", {**spec, "extra": {
+        **host, "remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.5},
+        "phases": [{"prompts": [a], "max_tokens": 1}]})
+    staged = apps.run_app(workdir, "misses-slots", {**spec, "extra": {
+        "host_bytes": 13 * 49152, "disk_dir": str(tmp_path / "disk")},
+        "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
+                   {"prompts": [a, b], "max_tokens": 1, "mode": "concurrent"}]})
+    misses = [phase["kvtier_delta"]["misses"] for phase in first["phases"]]
+    assert misses == [{"never_stored": len(a)}, {"never_stored": len(b)}, {"evicted_host": len(a)},
+                      {"never_stored": len(c)}, {"partial_block": 5}]
+    assert down["phases"][0]["kvtier_delta"]["misses"] == {"pool_down_or_slow": len(a)}
+    # a takes 12 of the 13 slots; b, behind it, gets one block, and finds its next with no slot free.
+    assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b) - BLOCK}
+    for run in (first, down, staged):
+        assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0

@@ -84,6 +84,7 @@ def kvtier_state(llm) -> dict:
         **{f"hit_tokens_{tier}": scheduler.hit_tokens[tier]
            for tier in ["host", *(t.name for t in manager.tiers)]},
         "miss_tokens": scheduler.miss_tokens,
+        "misses": dict(manager.misses),
         "host_pins": manager.host.num_pins,
         "host_used": manager.host.num_used,
         "host_slots": manager.host.num_slots,
@@ -160,6 +161,9 @@ def main(spec_path: str, out_path: str) -> None:
                 key: after[key] - before[key] for key in after if key.startswith("hit_tokens_") or key == "miss_tokens"}
             record["kvtier_delta"].update({f"{key}": after["stats"][key] - before["stats"][key]
                                            for key in ("load_bytes", "store_bytes", "loaded_blocks", "stored_blocks")})
+            record["kvtier_delta"]["misses"] = {reason: n - before["misses"].get(reason, 0)
+                                                for reason, n in after["misses"].items()
+                                                if n != before["misses"].get(reason, 0)}
         result["phases"].append(record)
         open(f"{out_path}.phase{index}.done", "w").close()
         time.sleep(phase.get("idle_s", 0))

@@ -85,6 +85,10 @@ class TierIndex(ABC):
     """The scheduler's half. Calls come from one thread (the scheduler's)."""
 
     name: str
+    # Where the index tells what became loadable from it and what stopped being, and why:
+    # ("stored" | "evicted" | "damaged", tier name, key). The manager drains it (miss reasons,
+    # KV events). None: not told.
+    holdings: list | None = None
     # False: the index answers from its own list, at once, and a plan asks it again (it may have
     # evicted since the lookup). True: answers come from the tier itself, off the scheduler's
     # thread; a plan uses the answer its request's lookup got.
@@ -175,6 +179,7 @@ class ExistenceIndex(TierIndex):
         self._max_pending = max_pending
         self.num_overdue = 0
         self.num_refused = 0
+        self._unanswered: set[str] = set()  # tokens whose last lookup the tier did not answer (down, slow)
         self._failed_ttl_s = failed_ttl_s
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-lookup")
         self._pending: dict[str, tuple[tuple[bytes, ...], float, Future]] = {}
@@ -191,6 +196,7 @@ class ExistenceIndex(TierIndex):
         if entry is None or entry[0] != keys:
             if len(self._pending) >= self._max_pending:
                 self.num_refused += 1
+                self._unanswered.add(token)
                 return [False] * len(keys)
             self._pending[token] = (keys, time.monotonic(), self._threads.submit(self._exists, list(keys)))
             return None
@@ -203,6 +209,7 @@ class ExistenceIndex(TierIndex):
             self.num_overdue += 1
             if self._on_overdue is not None:
                 self._on_overdue(f"an existence check is past its deadline ({waited:.2f} s)")
+            self._unanswered.add(token)
             return [False] * len(keys)
         del self._pending[token]
         try:
@@ -210,11 +217,19 @@ class ExistenceIndex(TierIndex):
         except Exception:  # a failed existence call is a miss; the tier's own breaker logs it
             found = None
         if found is None:
+            self._unanswered.add(token)
             return [False] * len(keys)
+        self._unanswered.discard(token)
         now = time.monotonic()
         return [bool(hit) and self._failed.get(key, 0.0) <= now for key, hit in zip(keys, found)]
 
+    def complete_store(self, written, failed):
+        if self.holdings is not None:
+            self.holdings += [("stored", self.name, key) for key in written]
+
     def complete_load(self, keys, bad_keys):
+        if self.holdings is not None:  # a damaged entry is not offered again: not loadable from here
+            self.holdings += [("damaged", self.name, key) for key in bad_keys]
         until = time.monotonic() + self._failed_ttl_s
         for key in bad_keys:
             self._failed[key] = until
@@ -223,8 +238,13 @@ class ExistenceIndex(TierIndex):
             now = time.monotonic()
             self._failed = {k: t for k, t in self._failed.items() if t > now}
 
+    def unanswered(self, token: str) -> bool:
+        """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
+        return token in self._unanswered
+
     def forget(self, token):
         self._pending.pop(token, None)
+        self._unanswered.discard(token)
 
     def close(self):
         self._threads.shutdown(wait=False, cancel_futures=True)

@@ -139,6 +139,13 @@ class DiskIndex(TierIndex):
                 self._ready.move_to_end(key)
         return found
 
+    def ready_keys(self) -> set[bytes]:
+        return set(self._ready)
+
+    def file_path(self) -> Path:
+        """This instance's entries file (of the first rank)."""
+        return entries_file(self.root, self.rank_fingerprints[0], self.file_number)
+
     def location(self, key: bytes) -> int:
         return (self.file_number << FILE_BITS) | self._place_of[key]
 
@@ -187,6 +194,8 @@ class DiskIndex(TierIndex):
         for key in written:
             self._writing.discard(key)
             self._ready[key] = None
+        if self.holdings is not None:
+            self.holdings += [("stored", self.name, key) for key in written]
         for key in failed:  # the place may hold part of the write: its old header's checksum fails it
             self._writing.discard(key)
             self._free.append(self._place_of.pop(key))
@@ -197,6 +206,8 @@ class DiskIndex(TierIndex):
             del self._ready[key]
             self._free.append(self._place_of.pop(key))
             self.num_discarded += 1
+            if self.holdings is not None:
+                self.holdings.append(("damaged", self.name, key))
 
     def _evict_one(self) -> bool:
         for key in self._ready:
@@ -204,6 +215,8 @@ class DiskIndex(TierIndex):
                 del self._ready[key]
                 self._free.append(self._place_of.pop(key))
                 self.num_evictions += 1
+                if self.holdings is not None:
+                    self.holdings.append(("evicted", self.name, key))
                 return True
         return False
 

@@ -40,6 +40,7 @@ class HostPoolIndex:
         self._num_pinned = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ready, unpinned; oldest first
         self.num_evictions = 0
+        self.holdings: list | None = None  # ("stored" | "evicted" | "damaged", "host", key), as in ``TierIndex``
 
     # --- queries -------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -136,6 +137,8 @@ class HostPoolIndex:
             if success:
                 self._ready[slot] = 1
                 self._unpin(slot)
+                if self.holdings is not None:
+                    self.holdings.append(("stored", "host", self._key_of[slot]))
             else:
                 self._unpin(slot)
                 if self._pins[slot] == 0:
@@ -146,7 +149,7 @@ class HostPoolIndex:
         slot = self._slot_of.get(key)
         if slot is not None and self._ready[slot] and self._pins[slot] == 0:
             self._evictable.pop(slot, None)
-            self._free(slot)
+            self._free(slot, "damaged")
 
     # --- internals -----------------------------------------------------------
     def _pin(self, slot: int) -> None:
@@ -168,11 +171,13 @@ class HostPoolIndex:
 
     def _evict_one(self) -> None:
         slot, _ = self._evictable.popitem(last=False)
-        self._free(slot)
+        self._free(slot, "evicted")
         self.num_evictions += 1
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int, why: str = "evicted") -> None:
         key = self._key_of[slot]
+        if key is not None and self._ready[slot] and self.holdings is not None:
+            self.holdings.append((why, "host", key))  # it was loadable: say that it is no more, and why
         if key is not None:
             del self._slot_of[key]
         self._key_of[slot] = None

@@ -13,6 +13,7 @@ entries move with the batch calls that write from and read into them
 from __future__ import annotations
 
 import os
+import socket
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -48,6 +49,15 @@ class MooncakeClient(PoolClient):
 
         parsed = urlparse(url)
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        # Mooncake's setup holds the GIL while it retries a server that is not there (90 s, seen):
+        # every thread of the process would stop. Both servers are reached first, within timeout_s.
+        metadata = urlparse(query["metadata"])
+        for host, port in ((parsed.hostname, parsed.port or 50051), (metadata.hostname, metadata.port)):
+            if host and port:
+                try:
+                    socket.create_connection((host, port), timeout=timeout_s).close()
+                except OSError as error:
+                    raise PoolUnavailable(f"mooncake server {host}:{port} unreachable: {error}") from None
         local_host = query.get("local_host", "127.0.0.1")
         # The transfer engine listens on the address it announces, not on any interface it finds.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)

@@ -101,6 +101,7 @@ class GuardedClient:
         self._connected = threading.Condition(self._lock)  # a connect ended (well or not)
         self._registered: list[tuple[int, int]] = []
         self.num_failures = 0
+        self.last_error = ""  # why the pool was last marked down (passwords redacted)
         self.num_refused = 0  # calls turned away because max_calls were in flight
 
     @property
@@ -169,6 +170,7 @@ class GuardedClient:
         with self._lock:
             was_up = self.available
             self.num_failures += 1
+            self.last_error = redact(error)
             self._down_until = time.monotonic() + self.retry_s
             lease, self._lease = self._lease, None  # the next call after the pause reconnects
             close = lease is not None and lease.calls == 0

@@ -38,7 +38,9 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
             # vLLM's scheduler reads this after building the connector: kvtier is a cache, so by
             # default a block that fails to load is recomputed rather than failing the request.
             self._kv_transfer_config.kv_load_failure_policy = self.kvtier_config.load_failure_policy
-            self._scheduler_side = SchedulerSide(self.kvtier_config, geometry, kv_role)
+            events_config = getattr(vllm_config, "kv_events_config", None)
+            self._scheduler_side = SchedulerSide(self.kvtier_config, geometry, kv_role,
+                                                 kv_events=bool(getattr(events_config, "enable_kv_cache_events", 0)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -126,6 +128,10 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         from kvtier.integrations.vllm.metrics import KVTierPromMetrics
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def take_events(self):
+        # kvtier's tiers, in vLLM's KV events (when --kv-events-config enables them).
+        return self._scheduler_side.take_events() if self._scheduler_side is not None else ()
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until every job has been reported: the reports

@@ -35,6 +35,12 @@ TIER_COUNTERS = {
     "evictions": "Blocks or entries evicted from a tier",
     "down": "Times a shared tier was marked down (a failed call, or one past remote_timeout_s)",
 }
+# Counters with a ``reason`` label: why prompt tokens were missed, by the first block that no
+# tier held ("never_stored", "evicted_<tier>", "damaged", "pool_down_or_slow",
+# "no_free_host_slot", "partial_block"). Keyed "<name>|<reason>" in ``KVTierStats.data``.
+REASON_COUNTERS = {
+    "miss_tokens_by_reason": "Prompt tokens that no tier held, by why the first of them was not found",
+}
 GAUGES = {
     "host_used_slots": "Host pool slots in use",
     "host_pinned_slots": "Host pool slots pinned by transfers in flight",
@@ -57,7 +63,7 @@ class KVTierStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)
         for name, value in other.data.items():
-            counter = _base(name) in COUNTERS or _base(name) in TIER_COUNTERS
+            counter = _base(name) in COUNTERS or _base(name) in TIER_COUNTERS or _base(name) in REASON_COUNTERS
             merged[name] = merged.get(name, 0) + value if counter else value
         return KVTierStats(data=merged)
 
@@ -71,7 +77,7 @@ class KVTierStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(value for name, value in self.data.items()
-                       if _base(name) in COUNTERS or _base(name) in TIER_COUNTERS)
+                       if _base(name) in COUNTERS or _base(name) in TIER_COUNTERS or _base(name) in REASON_COUNTERS)
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -79,12 +85,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._labelvalues = per_engine_labelvalues
         self._metrics = {}
-        for docs, cls, tiered in ((COUNTERS, self._counter_cls, False), (TIER_COUNTERS, self._counter_cls, True),
-                                  (GAUGES, self._gauge_cls, False), (TIER_GAUGES, self._gauge_cls, True)):
+        for docs, cls, label in ((COUNTERS, self._counter_cls, None), (TIER_COUNTERS, self._counter_cls, "tier"),
+                                 (REASON_COUNTERS, self._counter_cls, "reason"), (GAUGES, self._gauge_cls, None),
+                                 (TIER_GAUGES, self._gauge_cls, "tier")):
             for name, doc in docs.items():
                 extra = {} if cls is self._counter_cls else {"multiprocess_mode": "mostrecent"}
                 self._metrics[name] = (cls(name=f"vllm:kvtier_{name}", documentation=doc,
-                                           labelnames=list(labelnames) + (["tier"] if tiered else []), **extra),
+                                           labelnames=list(labelnames) + ([label] if label else []), **extra),
                                        cls is self._counter_cls)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -122,6 +129,7 @@ class StatsTracker:
             **{f"evictions|{tier.name}": tier.stats()["evictions"] for tier in manager.tiers
                if "evictions" in tier.stats()},
             **{f"down|{tier.name}": tier.stats()["down"] for tier in manager.tiers if "down" in tier.stats()},
+            **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.misses.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         if not any(deltas.values()):

@@ -36,7 +36,8 @@ class _RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, kv_role: str = "kv_both"):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, kv_role: str = "kv_both",
+                 kv_events: bool = False):
         # Prefill/decode: the producer stores every prompt block, the partial one included;
         # the consumer only loads (the partial block too) and stores nothing.
         self.stores_enabled = kv_role != "kv_consumer"
@@ -57,6 +58,8 @@ class SchedulerSide:
         self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
         self.miss_tokens = 0
         self._stats = StatsTracker()
+        self.kv_events = kv_events  # vLLM publishes KV events: kvtier's tiers are announced too
+        self._events = None  # KVEvents, built with the manager
 
     def on_handshake(self, metadata: dict) -> None:
         """Every worker's ``KVTierHandshake``, keyed by tensor-parallel rank."""
@@ -68,7 +71,13 @@ class SchedulerSide:
             raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {self.geometry.slot_bytes}")
         # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
         fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
-        self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count)
+        self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
+                                   track_holdings=self.kv_events)
+        if self.kv_events:
+            from kvtier.integrations.vllm.events import DiskJournal, KVEvents
+            disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
+            journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
+            self._events = KVEvents({spec.name: spec.location for spec in self.manager.specs}, journal=journal)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
                     [tier.name for tier in self.manager.tiers] or "none", metadata[0].layout)
 
@@ -96,8 +105,11 @@ class SchedulerSide:
         num_full = num_tokens // self.block_size
         if len(state.keys) < num_full:
             tokens = state.request.all_token_ids[:num_full * self.block_size]
+            first = len(state.keys)
             state.keys += block_keys(self.fingerprint, tokens, self.block_size, state.extra_keys,
-                                     start_block=len(state.keys), parent=state.keys[-1] if state.keys else None)
+                                     start_block=first, parent=state.keys[-1] if state.keys else None)
+            if self._events is not None:  # vLLM's hashes of these blocks, for the events of any tier
+                self._events.remember(state.request, state.keys[first:], first, self.block_size)
         return state.keys[:num_full]
 
     def _partial_key(self, state: _RequestState, num_tokens: int) -> bytes | None:
@@ -148,7 +160,14 @@ class SchedulerSide:
             return  # the second call, after a load: only the block list changed
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
-        self.miss_tokens += request.num_tokens - hit_tokens
+        missed = request.num_tokens - hit_tokens
+        self.miss_tokens += missed
+        if missed > 0:  # counted under the reason of the first block not found: the rest follow it
+            full = self._full_keys(state, request.num_tokens)
+            first_missed = hit_tokens // self.block_size
+            reason = (self.manager.miss_reason(full[first_missed], request.request_id)
+                      if first_missed < len(full) else "partial_block")  # only the last, partial block
+            self.manager.misses[reason] += missed
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
@@ -233,6 +252,8 @@ class SchedulerSide:
                 state.store_job_ids.discard(job_id)
 
     def shutdown(self) -> None:
+        if self._events is not None and self._events.journal is not None:
+            self._events.journal.close()
         if self.manager is not None:
             self.manager.close()
 
@@ -244,6 +265,12 @@ class SchedulerSide:
         if self.manager is None:
             return None
         return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens)
+
+    def take_events(self) -> list:
+        if self._events is None or self.manager is None:
+            return []
+        return (self._events.announce_journal(self.block_size)  # what the disk held at start, a batch a step
+                + self._events.events(self.manager.take_holdings(), self.block_size))
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)

@@ -1,0 +1,239 @@
+"""kvtier's tiers in vLLM's KV cache events, so KV-aware routers see them.
+
+vLLM publishes ``BlockStored`` / ``BlockRemoved`` for its device cache; the scheduler
+adds what its connector's ``take_events`` returns. This module turns the manager's
+holdings log (a block became loadable from a tier, or stopped being) into the same
+events, under vLLM's own block hashes, parent hash, token ids, block size, LoRA and
+extra keys, so a router that reads vLLM's events needs no change:
+
+- ``medium``: ``CPU`` for the host pool, ``STORAGE`` for the disk, a shared directory
+  and the storage pools;
+- ``locality``: ``LOCAL`` for this instance's own tiers, ``REMOTE`` for shared ones;
+- ``ownership``: ``kvtier:<tier>``, and for a shared tier ``kvtier:<tier>:<pool>``
+  (its address, no password), the same string on every instance that reads it.
+
+A block's vLLM metadata is taken from its request when kvtier keys it, and kept while a
+tier of this instance holds the block (for its removal), plus the last ``max_unheld``
+others; only blocks with metadata (full blocks that kvtier keyed in this process) are
+announced: not the partial ones, which vLLM does not hash.
+Fields a vLLM release lacks (``locality``, ``ownership`` before 0.32) are left out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from kvtier.redact import redact
+
+SHARED_TIERS = ("file", "redis", "mooncake")
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    block_hash: object  # vLLM's external form (bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    parent_hash: object
+    token_ids: tuple
+    lora_id: int | None
+    lora_name: str | None
+    extra_keys: object
+
+
+def pool_name(location: str) -> str:
+    """A shared tier's identity: its address without credentials or query."""
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return parsed.path
+    return redact(f"{parsed.hostname}:{parsed.port}{parsed.path if parsed.scheme.startswith('redis') else ''}")
+
+
+class KVEvents:
+    """Builds vLLM events from kvtier's holdings. Lives in the scheduler; one thread."""
+
+    def __init__(self, tier_locations: dict[str, str], max_unheld: int = 100_000, journal: "DiskJournal | None" = None):
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        self._stored, self._removed = BlockStored, BlockRemoved
+        fields = set(getattr(BlockStored, "__struct_fields__", ()))
+        self._has_locality = "locality" in fields and "ownership" in fields
+        self._where = {"host": ("CPU", "LOCAL", "kvtier:host")}
+        for name, location in tier_locations.items():
+            shared = name in SHARED_TIERS
+            self._where[name] = ("STORAGE", "REMOTE" if shared else "LOCAL",
+                                 f"kvtier:{name}:{pool_name(location)}" if shared else f"kvtier:{name}")
+        self._meta: dict[bytes, BlockMeta] = {}
+        self._held_in: dict[bytes, set[str]] = {}  # announced in a local tier: key -> those tiers
+        # Keys with metadata that no local tier holds, oldest first: at most ``max_unheld`` of them.
+        # A held key's metadata is kept until its last removal is told (a router must hear it).
+        self._unheld: OrderedDict[bytes, None] = OrderedDict()
+        self.max_unheld = max_unheld
+        self.journal = journal  # the disk tier's blocks' metadata, for a restart to announce them
+
+    def remember(self, request, keys: list[bytes], first_block: int, block_size: int) -> None:
+        """vLLM's metadata of ``keys``, the request's blocks from ``first_block`` on."""
+        hashes = getattr(request, "block_hashes", None) or []
+        lora = getattr(request, "lora_request", None)
+        for i, key in enumerate(keys, start=first_block):
+            if key in self._meta or i >= len(hashes):
+                continue
+            self._meta[key] = BlockMeta(
+                _external(hashes[i]), _external(hashes[i - 1]) if i else None,
+                tuple(request.all_token_ids[i * block_size:(i + 1) * block_size]),
+                getattr(lora, "adapter_id", getattr(lora, "lora_int_id", None)) if lora else None,
+                getattr(lora, "lora_name", None) if lora else None, _extra_keys(request, i, block_size))
+            self._unheld[key] = None
+        while len(self._unheld) > self.max_unheld:
+            del self._meta[self._unheld.popitem(last=False)[0]]
+
+    def events(self, holdings: list[tuple[str, str, bytes]], block_size: int, announcing: bool = False) -> list:
+        """Events for ``holdings``. A shared tier's blocks are announced but not tracked (other
+        instances and the pool's own eviction change them unseen): only a damaged entry dropped
+        from one is told as removed; this instance's own tiers are told both ways."""
+        out = []
+        for kind, tier, key in holdings:
+            meta = self._meta.get(key)
+            if meta is None or tier not in self._where:
+                continue
+            medium, locality, ownership = self._where[tier]
+            where = {"locality": locality, "ownership": ownership} if self._has_locality else {}
+            shared = tier in SHARED_TIERS
+            if kind == "stored":
+                out.append(self._stored(block_hashes=[meta.block_hash], parent_block_hash=meta.parent_hash,
+                                        token_ids=list(meta.token_ids), block_size=block_size, lora_id=meta.lora_id,
+                                        medium=medium, lora_name=meta.lora_name, extra_keys=meta.extra_keys,
+                                        **where))
+                if not shared:
+                    self._held_in.setdefault(key, set()).add(tier)
+                    self._unheld.pop(key, None)
+                if tier == "disk" and self.journal is not None and not announcing:
+                    self.journal.append(key, meta)
+            elif shared or tier in self._held_in.get(key, ()):
+                out.append(self._removed(block_hashes=[meta.block_hash], medium=medium, **where))
+                tiers = self._held_in.get(key)
+                if tiers is not None:
+                    tiers.discard(tier)
+                    if not tiers:
+                        del self._held_in[key]
+                        self._unheld[key] = None  # newest: its metadata may serve a next store
+        return out
+
+    def announce_journal(self, block_size: int) -> list:
+        """The disk blocks a previous process left, from its journal: a batch per call."""
+        if self.journal is None:
+            return []
+        found = self.journal.take_found()
+        for key, meta in found:
+            self._meta.setdefault(key, meta)
+        return self.events([("stored", "disk", key) for key, _ in found], block_size, announcing=True)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._meta)
+
+
+def _external(block_hash):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(block_hash)
+
+
+def _extra_keys(request, block: int, block_size: int):
+    """vLLM's per-block extra keys (LoRA name, cache salt), as its own events carry them."""
+    try:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    except ImportError:  # an older release: its events carry none either
+        return None
+    extra, _ = generate_block_hash_extra_keys(request, block * block_size, (block + 1) * block_size, 0)
+    return to_event_extra_keys([extra])
+
+
+class DiskJournal:
+    """What a restart needs to announce the disk tier's blocks: vLLM's metadata of each block
+    written to disk, appended to ``<disk tier file>.events`` (msgpack records, never pickled) on
+    a thread of its own, never the scheduler's. At start the journal is read on that thread,
+    kept to the blocks the disk still holds (rewritten), and those are announced, ``batch`` at
+    a time, with the engine's next steps."""
+
+    def __init__(self, path, held_keys: set[bytes], batch: int = 1000):
+        import queue
+        import threading
+
+        self.path = str(path)
+        self.batch = batch
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._found: list[tuple[bytes, BlockMeta]] = []  # read back at start, to announce
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, args=(held_keys,), name="kvtier-events-journal",
+                                        daemon=True)
+        self._thread.start()
+
+    def append(self, key: bytes, meta: BlockMeta) -> None:
+        self._writes.put((key, meta))
+
+    def take_found(self) -> list[tuple[bytes, BlockMeta]]:
+        with self._lock:
+            taken, self._found = self._found[:self.batch], self._found[self.batch:]
+        return taken
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self, held_keys: set[bytes]) -> None:
+        import msgspec
+
+        encoder = msgspec.msgpack.Encoder()
+        found = {}
+        try:
+            with open(self.path, "rb") as journal:
+                for record in _records(journal):
+                    key, *fields = record
+                    if isinstance(key, bytes) and key in held_keys and len(fields) == 6:
+                        found[key] = BlockMeta(fields[0], fields[1], tuple(fields[2]), fields[3], fields[4],
+                                               fields[5])
+        except (OSError, ValueError, msgspec.DecodeError):  # none yet, or cut short: what was read stands
+            pass
+        with self._lock:
+            self._found = list(found.items())
+        temporary = self.path + ".tmp"
+        with _owner_only(temporary, os.O_TRUNC) as rewritten:  # only what the disk still holds
+            for key, meta in found.items():
+                rewritten.write(_frame(encoder, key, meta))
+        os.replace(temporary, self.path)
+        with _owner_only(self.path, os.O_APPEND) as journal:
+            while (item := self._writes.get()) is not None:
+                pending = [item]
+                while not self._writes.empty():  # one write for whatever queued meanwhile
+                    more = self._writes.get()
+                    if more is None:
+                        self._writes.put(None)
+                        break
+                    pending.append(more)
+                journal.write(b"".join(_frame(encoder, key, meta) for key, meta in pending))
+                journal.flush()
+
+
+def _owner_only(path: str, flags: int):
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600), "wb")
+
+
+def _frame(encoder, key: bytes, meta: BlockMeta) -> bytes:
+    body = encoder.encode([key, meta.block_hash, meta.parent_hash, list(meta.token_ids), meta.lora_id,
+                           meta.lora_name, meta.extra_keys])
+    return len(body).to_bytes(4, "little") + body
+
+
+def _records(stream):
+    import msgspec
+
+    decoder = msgspec.msgpack.Decoder()
+    data = stream.read()
+    offset = 0
+    while offset + 4 <= len(data):
+        size = int.from_bytes(data[offset:offset + 4], "little")
+        if offset + 4 + size > len(data):
+            return  # a record cut short by a crash: the ones before it stand
+        yield decoder.decode(data[offset + 4:offset + 4 + size])
+        offset += 4 + size

@@ -1,0 +1,80 @@
+"""``kvtier doctor`` as a user runs it, against a real Redis, a real Mooncake, a disk directory
+and a shared directory, and a broken configuration of each."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.servers import free_port, local_mooncake, local_redis
+from tests.e2e.apps import ROOT
+
+
+def doctor(extra: dict, *args: str) -> tuple[int, dict]:
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--json", "--timeout", "10",
+                          "--kv-transfer-config", json.dumps({"kv_connector_extra_config": extra}), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    report = json.loads(run.stdout[run.stdout.index("{"):])
+    assert report["status"] == run.returncode
+    return run.returncode, {check["name"]: check for check in report["checks"]}
+
+
+def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
+    from kvtier.demo.model import make_model
+    from kvtier.model_identity import model_fingerprint
+
+    model = str(make_model(tmp_path / "model", num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1))
+    disk, shared = tmp_path / "disk", tmp_path / "shared"
+    with local_redis(log_path=str(tmp_path / "redis.log"), password="hunter2") as redis_server, \
+            local_mooncake(log_path=str(tmp_path / "mooncake.log")) as mooncake_server:
+        results = [doctor({"disk_dir": str(disk), "remote_url": url}, "--model", model)
+                   for url in (redis_server.url, mooncake_server.url, f"file://{shared}")]
+    for status, checks in results:
+        assert status == 0 and all(check["ok"] for check in checks.values()), checks
+        assert checks["disk_dir"]["detail"].startswith(f"{disk}: writable")
+        assert "byte-exact" in checks["disk"]["detail"]
+        assert model_fingerprint(model) in checks["model"]["detail"]
+    assert {name for _, checks in results for name in checks} >= {"redis", "mooncake", "file"}
+    assert "hunter2" not in json.dumps(results) and "redis://:***@" in results[0][1]["redis"]["detail"]
+    assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
+
+
+@pytest.mark.parametrize("case", ["redis-down", "mooncake-down", "file-unwritable"])
+def test_a_tier_that_does_not_work_is_named_and_the_exit_status_is_1(tmp_path, case):
+    if case == "redis-down":
+        with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+            url = server.url
+        name, why = "redis", "Connection refused"
+    elif case == "mooncake-down":
+        url = f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata"
+        name, why = "mooncake", "unreachable"
+    else:
+        if os.geteuid() == 0:  # root writes anywhere: a read-only filesystem it is, then
+            readonly = tmp_path / "ro"
+            readonly.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(readonly)], check=True)
+        else:
+            readonly = tmp_path / "ro"
+            readonly.mkdir(mode=0o500)
+        url, name = f"file://{readonly}/kv", "file"
+        why = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    try:
+        status, checks = doctor({"disk_dir": None, "remote_url": url, "remote_timeout_s": 1})
+    finally:
+        if case == "file-unwritable" and os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(tmp_path / "ro")], check=True)
+    assert status == 1 and checks["configuration"]["ok"]
+    assert not checks[name]["ok"] and why in checks[name]["detail"], checks[name]
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"remote_url": "ftp://x"}, "remote_url"),
+    ({"disk_dir": ""}, "disk_dir"),
+    ({"remote_url": "mooncake://127.0.0.1:50051"}, "remote_url"),  # no metadata server named
+    ({"host_bytes": "lots"}, "host_bytes"),
+])
+def test_an_invalid_configuration_is_named_and_the_exit_status_is_2(extra, key):
+    status, checks = doctor(extra)
+    assert status == 2 and not checks["configuration"]["ok"] and f"key '{key}'" in checks["configuration"]["detail"]
