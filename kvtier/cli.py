@@ -84,7 +84,13 @@ def _bench_ttft(args) -> dict:
 def _doctor(args) -> dict:
     from kvtier import doctor
 
-    report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout)
+    token_ids = json.loads(args.token_ids) if args.token_ids else None
+    if args.prompt is not None:
+        if not args.model:
+            raise SystemExit("kvtier doctor: --prompt needs --model (its tokenizer)")
+        from transformers import AutoTokenizer
+        token_ids = AutoTokenizer.from_pretrained(args.model).encode(args.prompt)
+    report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout, token_ids, args.namespace)
     if not args.json:
         doctor.print_report(report)
     return report
@@ -191,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's --kv-transfer-config JSON (its kv_connector_extra_config is read)")
     doctor.add_argument("--model", default=None, help="print this model directory's content fingerprint")
     doctor.add_argument("--timeout", type=float, default=20.0, help="seconds each tier's check may take")
+    doctor.add_argument("--token-ids", default=None, help="a prompt as a JSON list of token ids: which tier holds "
+                                                          "each of its blocks, or why none does")
+    doctor.add_argument("--prompt", default=None, help="a prompt as text, tokenized with --model's tokenizer")
+    doctor.add_argument("--namespace", default=None,
+                        help="the namespace record a running instance wrote (default: the one in disk_dir/namespaces)")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(run=_doctor)
 

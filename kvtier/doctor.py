@@ -133,7 +133,7 @@ def _bounded(check, spec, timeout_s: float) -> Check:
 
 
 def run(config_file: str | None = None, kv_transfer_config: str | None = None, model: str | None = None,
-        tier_timeout_s: float = 20.0) -> dict:
+        tier_timeout_s: float = 20.0, token_ids: list[int] | None = None, namespace: str | None = None) -> dict:
     checks: list[Check] = []
     try:
         config = KVTierConfig.from_sources(_config_sources(config_file, kv_transfer_config))
@@ -153,10 +153,76 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
         checks.append(Check("model", True, f"{model}: content fingerprint {model_fingerprint(model)} (files, "
                                            f"name; vLLM adds its dtype, quantization and overrides to the key)"))
     ok = all(c.ok for c in checks)
-    return {"ok": ok, "status": 0 if ok else 1, "checks": [asdict(c) for c in checks]}
+    report = {"ok": ok, "status": 0 if ok else 1, "checks": [asdict(c) for c in checks]}
+    if token_ids is not None:
+        try:
+            record = find_namespace(config, namespace)
+            report["namespace"] = record["fingerprint"]
+            report["blocks"] = where_blocks_are(config, record, token_ids)
+        except (OSError, ValueError, KeyError) as error:
+            report["blocks_error"] = redact(error)
+            report["ok"], report["status"] = False, 1
+    return report
 
 
 def print_report(report: dict) -> None:
     for check in report["checks"]:
         print(f"{'ok  ' if check['ok'] else 'FAIL'}  {check['name']:<14} {check['detail']}")
+    if "blocks_error" in report:
+        print(f"FAIL  blocks         {report['blocks_error']}")
+    for block in report.get("blocks", []):
+        where = ", ".join(block["tiers"]) or "none"
+        print(f"      block {block['block']:<5} {where}" + (f"  ({block['why']})" if block["why"] else ""))
+    if "blocks" in report:
+        print(f"      (namespace {report['namespace']}; the host pool lives inside the running engine and is "
+              f"not seen from here)")
     print("kvtier doctor: " + ("every configured tier works" if report["ok"] else "a check failed"))
+
+
+def find_namespace(config: KVTierConfig, path: str | None) -> dict:
+    """The namespace record a running instance wrote (``<disk_dir>/namespaces``), or ``path``."""
+    if path is None:
+        folder = os.path.join(config.disk_dir or "", "namespaces")
+        records = sorted(p for p in os.listdir(folder) if p.endswith(".json")) if os.path.isdir(folder) else []
+        if len(records) != 1:
+            raise ValueError(f"{len(records)} namespace records in {folder}: name one with --namespace")
+        path = os.path.join(folder, records[0])
+    with open(path) as record:
+        return json.load(record)
+
+
+def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], timeout_s: float = 10.0) -> list[dict]:
+    """For each full block of ``token_ids`` keyed as the instance of ``record`` keys them: the
+    tiers below the host pool that hold it, or why none does."""
+    from kvtier.keys import block_keys
+    from kvtier.tiers.disk import entries_in
+    from kvtier.tiers.registry import make_index, tier_specs
+
+    namespace = record["namespace"]
+    keys = block_keys(bytes.fromhex(record["fingerprint"]), token_ids, namespace["block_size"])
+    ranks = [bytes.fromhex(fp) for fp in record["rank_fingerprints"]]
+    held: dict[str, set[bytes]] = {}
+    for spec in tier_specs(config):
+        if spec.module == "kvtier.tiers.disk":  # headers only, no lock taken: a running instance keeps its files
+            per_rank: dict[bytes, set[bytes]] = {}
+            for path, _, key, _, _ in entries_in(spec.location):
+                per_rank.setdefault(bytes.fromhex(path.parent.name), set()).add(key)
+            held[spec.name] = set.intersection(*(per_rank.get(fp, set()) for fp in ranks))
+            continue
+        index = make_index(spec, record["slot_bytes"], ranks)
+        deadline = time.monotonic() + timeout_s
+        while (found := index.lookup(keys, "doctor")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held[spec.name] = {key for key, hit in zip(keys, found or []) if hit}
+        index.close()
+    report, first_gap = [], None
+    for i, key in enumerate(keys):
+        tiers = [name for name, keys_held in held.items() if key in keys_held]
+        if tiers:
+            why = "" if first_gap is None else f"held, but block {first_gap} before it is not: recomputed from there"
+        else:
+            first_gap = i if first_gap is None else first_gap
+            why = ("no tier holds it: never stored, evicted, or stored by an instance of another namespace "
+                   "(model, layout, rank)" if first_gap == i else f"not held, after block {first_gap}")
+        report.append({"block": i, "key": key.hex(), "tiers": tiers, "why": why})
+    return report

@@ -78,3 +78,34 @@ def test_a_tier_that_does_not_work_is_named_and_the_exit_status_is_1(tmp_path, c
 def test_an_invalid_configuration_is_named_and_the_exit_status_is_2(extra, key):
     status, checks = doctor(extra)
     assert status == 2 and not checks["configuration"]["ok"] and f"key '{key}'" in checks["configuration"]["detail"]
+
+
+@pytest.mark.vllm
+def test_which_tier_holds_each_block_of_a_prompt_and_why_not(tmp_path):
+    """A real vLLM stores a prompt on disk and in Redis; ``kvtier doctor --token-ids`` keys the
+    prompt, plus two blocks nobody stored, as that instance did (its namespace record) and
+    tells, block by block, where each is, or why it is nowhere."""
+    import random
+
+    from kvtier.demo.model import make_model
+    from tests.e2e import apps
+
+    model = str(make_model(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
+    prompt = [random.Random(3).randrange(3, 2000) for _ in range(10 * 32 + 7)]
+    more = [random.Random(4).randrange(3, 2000) for _ in range(2 * 32)]
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        extra = {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk"), "remote_url": server.url}
+        apps.run_app(tmp_path, "stored", {"model": model, "connector": "kvtier", "extra": extra, "warmup": False,
+                                          "engine": {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 4},
+                                          "phases": [{"prompts": [prompt], "max_tokens": 1}]})
+        status, _ = doctor(extra)
+        run = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--json", "--kv-transfer-config",
+                              json.dumps({"kv_connector_extra_config": extra}), "--token-ids",
+                              json.dumps(prompt[:10 * 32] + more)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+    report = json.loads(run.stdout[run.stdout.index("{"):])
+    assert status == 0 and run.returncode == 0, run.stdout + run.stderr
+    blocks = report["blocks"]
+    assert [b["tiers"] for b in blocks] == [["disk", "redis"]] * 10 + [[], []]
+    assert "no tier holds it" in blocks[10]["why"] and "after block 10" in blocks[11]["why"]
+    assert report["namespace"] == json.load(open(next((tmp_path / "disk" / "namespaces").iterdir())))["fingerprint"]

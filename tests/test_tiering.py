@@ -129,6 +129,7 @@ def test_corrupt_disk_entry_fails_only_its_block_and_is_forgotten(disk_dir):
     assert report.failed_block_ids == [21] and report.bad_keys == keys_of([1])
     assert engine.manager.stats.bad_entries == 1
     assert engine.manager.tier('disk').lookup(keys_of([1])) == [False]
+    assert engine.manager.miss_reason(keys_of([1])[0]) == "damaged"  # why a later lookup misses it
     assert engine.manager.host.num_pins == 0
     engine.close()
 

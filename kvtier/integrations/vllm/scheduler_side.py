@@ -78,6 +78,14 @@ class SchedulerSide:
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
             journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
             self._events = KVEvents({spec.name: spec.location for spec in self.manager.specs}, journal=journal)
+        if self.config.disk_dir:  # for `kvtier doctor`: how this instance keys blocks (start-up only)
+            from kvtier.keys import write_namespace_record
+            try:
+                record = write_namespace_record(self.config.disk_dir, self.geometry.namespace, fingerprints,
+                                                self.geometry.slot_bytes)
+                logger.info("kvtier: namespace %s (%s)", self.fingerprint.hex(), record)
+            except OSError as error:  # the disk tier reports its own trouble; this record is a convenience
+                logger.warning("kvtier: namespace record not written: %s", error)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
                     [tier.name for tier in self.manager.tiers] or "none", metadata[0].layout)
 
