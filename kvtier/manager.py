@@ -301,6 +301,7 @@ class TierManager:
                 del self._pending[report.job_id]
                 self._complete(pending)
                 completed.append(report.job_id)
+        self._absorb()  # every step with reports: the indexes' log never grows past a step's worth
         return completed
 
     def on_released(self, slot_ids: Sequence[int]) -> None:

@@ -370,6 +370,12 @@ def test_the_holdings_log_tells_what_each_tier_gained_and_lost(disk_dir):
     assert sorted(k for kind, tier, k in taken if (kind, tier) == ("evicted", "host")) == keys_of([1, 2, 3])
     assert [k for kind, tier, k in taken if (kind, tier) == ("evicted", "disk")] == keys_of([1])
     assert sorted(k for kind, tier, k in taken if kind == "stored") == sorted(keys_of([5, 6, 7]) * 2)
+    # Without KV events the log is still drained at every report: it never grows.
+    quiet = Engine(tensors, disk_dir + "-quiet", host_blocks=2, disk_blocks=4)
+    for i in range(20):
+        quiet.store(keys_of([100 + i]), [1])
+    assert quiet.manager._holdings == [] and quiet.manager.take_holdings() == []
+    quiet.close()
     # Why a later lookup misses them: 1 is on no tier any more (the disk evicted it last).
     assert engine.manager.miss_reason(keys_of([1])[0]) == "evicted_disk"
     assert engine.manager.miss_reason(keys_of([99])[0]) == "never_stored"
