@@ -96,6 +96,8 @@ class TierManager:
         self._gone: OrderedDict[bytes, str] = OrderedDict()  # key -> "evicted_<tier>" or "damaged"
         self.max_gone = 200_000
         self.misses: Counter = Counter()  # reason -> prompt tokens missed for it (the first missed block's)
+        self.block_tokens = config.block_size or 0  # tokens per block (the engine's), for load-time misses
+        self.load_misses: dict[str, int] = {}  # req_id -> tokens counted as missed when its load failed
 
     def take_holdings(self) -> list[tuple[str, str, bytes]]:
         """What became loadable from each tier, and what stopped being, since the last call
@@ -214,6 +216,7 @@ class TierManager:
         self._promised.pop(token, None)
         self._waiting_since.pop(token, None)
         self._slot_limited.discard(token)
+        self.load_misses.pop(token, None)
         for tier in self.tiers:
             tier.forget(token)
 
@@ -362,6 +365,13 @@ class TierManager:
     def _complete_load(self, job: LoadJob, reports: list[JobReport], bad_keys: set[bytes]) -> None:
         failed_blocks = {b for r in reports for b in r.failed_block_ids}
         self.stats.failed_load_blocks += len(failed_blocks)
+        failed_reads = len(failed_blocks - set(job.missing_block_ids))  # planned, then not loaded: recomputed
+        if failed_reads:
+            abandoned = any(r.held_slot_ids for r in reports)
+            reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
+            self.misses[reason] += failed_reads * self.block_tokens
+            # The engine looks the request up again to recompute: those tokens are counted already.
+            self.load_misses[job.req_id] = self.load_misses.get(job.req_id, 0) + failed_reads * self.block_tokens
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)
         held: Counter = Counter(slot for r in reports for slot in r.held_slot_ids)

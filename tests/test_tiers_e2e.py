@@ -253,8 +253,10 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
     elif case == "forged":
         assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
+        assert second["phases"][0]["kvtier_delta"]["misses"] == {"damaged": FULL_BLOCKS * BLOCK}  # counted once
     else:
         assert stats["abandoned_loads"] == 1 and stats["loaded_blocks"] == 0
+        assert second["phases"][0]["kvtier_delta"]["misses"] == {"load_abandoned": FULL_BLOCKS * BLOCK}
 
 
 def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
@@ -274,6 +276,10 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     down = apps.run_app(workdir, "misses-down", {**spec, "extra": {
         **host, "remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.5},
         "phases": [{"prompts": [a], "max_tokens": 1}]})
+    evicted = apps.run_app(workdir, "misses-disk", {**spec, "extra": {  # a disk of 12 blocks, b evicts a
+        **host, "disk_dir": str(tmp_path / "small-disk"), "disk_bytes": 12 * (49152 + 64)},
+        "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
+                   {"prompts": [a], "max_tokens": 1}]})
     staged = apps.run_app(workdir, "misses-slots", {**spec, "extra": {
         "host_bytes": 13 * 49152, "disk_dir": str(tmp_path / "disk")},
         "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
@@ -282,7 +288,8 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert misses == [{"never_stored": len(a)}, {"never_stored": len(b)}, {"evicted_host": len(a)},
                       {"never_stored": len(c)}, {"partial_block": 5}]
     assert down["phases"][0]["kvtier_delta"]["misses"] == {"pool_down_or_slow": len(a)}
+    assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
     # a takes 12 of the 13 slots; b, behind it, gets one block, and finds its next with no slot free.
     assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b) - BLOCK}
-    for run in (first, down, staged):
+    for run in (first, down, evicted, staged):
         assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0

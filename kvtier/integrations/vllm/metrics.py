@@ -35,9 +35,10 @@ TIER_COUNTERS = {
     "evictions": "Blocks or entries evicted from a tier",
     "down": "Times a shared tier was marked down (a failed call, or one past remote_timeout_s)",
 }
-# Counters with a ``reason`` label: why prompt tokens were missed, by the first block that no
-# tier held ("never_stored", "evicted_<tier>", "damaged", "pool_down_or_slow",
-# "no_free_host_slot", "partial_block"). Keyed "<name>|<reason>" in ``KVTierStats.data``.
+# Counters with a ``reason`` label: why prompt tokens were missed. At lookup, by the first block
+# that no tier held ("never_stored", "evicted_<tier>", "damaged", "pool_down_or_slow",
+# "no_free_host_slot", "partial_block"); at load, blocks planned and then recomputed
+# ("load_abandoned", "damaged", "load_failed"). Keyed "<name>|<reason>" in ``KVTierStats.data``.
 REASON_COUNTERS = {
     "miss_tokens_by_reason": "Prompt tokens that no tier held, by why the first of them was not found",
 }

@@ -73,6 +73,7 @@ class SchedulerSide:
         fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
                                    track_holdings=self.kv_events)
+        self.manager.block_tokens = self.block_size
         if self.kv_events:
             from kvtier.integrations.vllm.events import DiskJournal, KVEvents
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
@@ -170,12 +171,14 @@ class SchedulerSide:
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
         missed = request.num_tokens - hit_tokens
         self.miss_tokens += missed
-        if missed > 0:  # counted under the reason of the first block not found: the rest follow it
+        # A lookup after a failed load (vLLM recomputes) is not counted twice under a reason.
+        counted = self.manager.load_misses.pop(request.request_id, 0)
+        if missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self._full_keys(state, request.num_tokens)
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
-            self.manager.misses[reason] += missed
+            self.manager.misses[reason] += missed - counted
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
