@@ -90,7 +90,8 @@ def _doctor(args) -> dict:
             raise SystemExit("kvtier doctor: --prompt needs --model (its tokenizer)")
         from transformers import AutoTokenizer
         token_ids = AutoTokenizer.from_pretrained(args.model).encode(args.prompt)
-    report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout, token_ids, args.namespace)
+    report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout, token_ids, args.namespace,
+                        json.loads(args.engine_args) if args.engine_args else None)
     if not args.json:
         doctor.print_report(report)
     return report
@@ -195,13 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--config", default=None, help="a kvtier YAML file")
     doctor.add_argument("--kv-transfer-config", default=None,
                         help="vLLM's --kv-transfer-config JSON (its kv_connector_extra_config is read)")
-    doctor.add_argument("--model", default=None, help="print this model directory's content fingerprint")
+    doctor.add_argument("--model", default=None, help="print the namespace fingerprint vLLM would key this model's "
+                                                      "blocks with, and how it differs from the instances' records")
+    doctor.add_argument("--engine-args", default=None,
+                        help='with --model: vLLM engine arguments that change the namespace, as JSON, e.g. '
+                             '\'{"block_size": 16, "dtype": "bfloat16", "tensor_parallel_size": 2}\'')
     doctor.add_argument("--timeout", type=float, default=20.0, help="seconds each tier's check may take")
     doctor.add_argument("--token-ids", default=None, help="a prompt as a JSON list of token ids: which tier holds "
                                                           "each of its blocks, or why none does")
     doctor.add_argument("--prompt", default=None, help="a prompt as text, tokenized with --model's tokenizer")
     doctor.add_argument("--namespace", default=None,
-                        help="the namespace record a running instance wrote (default: the one in disk_dir/namespaces)")
+                        help="the namespace record a running instance wrote (default: the one --model gives, "
+                             "else the only one in the tiers' directories)")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(run=_doctor)
 

@@ -6,8 +6,12 @@ Checks, in order, each one a line of the report:
 - every configured tier below the host pool: one block written and read back through
   the tier's own store (the code kvtier's I/O process runs), header and checksum
   included, under a namespace of the doctor's own, so no model's entries are touched;
-- with ``--model``, the model's content fingerprint (the part of every key that a
-  model update changes): two instances that print different ones share no KV.
+- with ``--model`` (and ``--engine-args``), the namespace fingerprint vLLM would key that
+  model's blocks with, computed from vLLM's own configuration without an engine, and how it
+  differs from the namespaces that instances recorded in the tiers' directories: two
+  instances with different fingerprints share no KV;
+- with ``--token-ids`` or ``--prompt``, which tier holds each block of the prompt, or why
+  none does (held under another instance's namespace, named with the fields that differ).
 
 Exit status 0 when every configured tier works, 1 when one does not, 2 when the
 configuration itself is invalid.
@@ -26,6 +30,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from kvtier import namespaces
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.redact import redact
 
@@ -133,7 +138,8 @@ def _bounded(check, spec, timeout_s: float) -> Check:
 
 
 def run(config_file: str | None = None, kv_transfer_config: str | None = None, model: str | None = None,
-        tier_timeout_s: float = 20.0, token_ids: list[int] | None = None, namespace: str | None = None) -> dict:
+        tier_timeout_s: float = 20.0, token_ids: list[int] | None = None, namespace: str | None = None,
+        engine_args: dict | None = None) -> dict:
     checks: list[Check] = []
     try:
         config = KVTierConfig.from_sources(_config_sources(config_file, kv_transfer_config))
@@ -147,22 +153,58 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
 
     for spec in tier_specs(config):
         checks.append(_bounded(round_trip, spec, tier_timeout_s))
+    records = namespaces.read_all(tier_specs(config))
+    report: dict = {"recorded": [_summary(r) for r in records]}
+    ours = None
     if model:
-        from kvtier.model_identity import model_fingerprint
-
-        checks.append(Check("model", True, f"{model}: content fingerprint {model_fingerprint(model)} (files, "
-                                           f"name; vLLM adds its dtype, quantization and overrides to the key)"))
+        ours, check = model_namespace(model, engine_args or {}, config, records)
+        checks.append(check)
+        report["namespace"] = ours["fingerprint"] if ours else None
     ok = all(c.ok for c in checks)
-    report = {"ok": ok, "status": 0 if ok else 1, "checks": [asdict(c) for c in checks]}
+    report.update(ok=ok, status=0 if ok else 1, checks=[asdict(c) for c in checks])
     if token_ids is not None:
         try:
-            record = find_namespace(config, namespace)
+            record = find_namespace(records, namespace, ours)
             report["namespace"] = record["fingerprint"]
-            report["blocks"] = where_blocks_are(config, record, token_ids)
+            report["blocks"] = where_blocks_are(config, record, token_ids, records)
         except (OSError, ValueError, KeyError) as error:
             report["blocks_error"] = redact(error)
             report["ok"], report["status"] = False, 1
     return report
+
+
+def _summary(record: dict) -> dict:
+    fields = record["namespace"]
+    return {"fingerprint": record["fingerprint"], **{k: fields.get(k) for k in
+                                                     ("model", "kv_dtype", "block_size", "num_layers", "tp_size")}}
+
+
+def model_namespace(model: str, engine_args: dict, config: KVTierConfig, records: list[dict]) -> tuple[dict | None, Check]:
+    """The namespace record vLLM would key ``model`` with (``engine_args``: block_size, dtype,
+    tensor_parallel_size, ...), compared with the records instances left in the tiers'
+    directories. Without vLLM here: the model's content fingerprint alone."""
+    try:
+        from kvtier.integrations.vllm.namespace import offline_namespace
+    except ImportError:
+        from kvtier.model_identity import model_fingerprint
+        return None, Check("model", True, f"{model}: content fingerprint {model_fingerprint(model)} (vLLM is not "
+                                          f"installed here: the whole namespace needs its configuration)")
+    try:
+        namespace = offline_namespace(model, engine_args, config)
+    except Exception as error:  # vLLM's own configuration error is the report
+        return None, Check("namespace", False, f"{model}: vLLM cannot configure it: {type(error).__name__}: {error}")
+    ours = namespaces.record_of(namespace, [], 0)
+    fields = ours["namespace"]
+    detail = (f"{ours['fingerprint']} for {model} (kv {fields['kv_dtype']}, block_size {fields['block_size']}, "
+              f"{fields['num_layers']} layers, tp {fields['tp_size']}, weights {fields['weights']})")
+    same = [r for r in records if r["fingerprint"] == ours["fingerprint"]]
+    if same:
+        return {**ours, **same[0]}, Check("namespace", True, detail + ": an instance with this namespace recorded "
+                                                                      "its entries here")
+    others = "; ".join(f"{r['fingerprint'][:12]} differs in {', '.join(namespaces.differences(ours, r))}"
+                       for r in records[:4])
+    return ours, Check("namespace", True, detail + (f": no instance here keys blocks like this ({others})" if others
+                                                    else ": no instance has recorded a namespace here yet"))
 
 
 def print_report(report: dict) -> None:
@@ -179,50 +221,62 @@ def print_report(report: dict) -> None:
     print("kvtier doctor: " + ("every configured tier works" if report["ok"] else "a check failed"))
 
 
-def find_namespace(config: KVTierConfig, path: str | None) -> dict:
-    """The namespace record a running instance wrote (``<disk_dir>/namespaces``), or ``path``."""
-    if path is None:
-        folder = os.path.join(config.disk_dir or "", "namespaces")
-        records = sorted(p for p in os.listdir(folder) if p.endswith(".json")) if os.path.isdir(folder) else []
-        if len(records) != 1:
-            raise ValueError(f"{len(records)} namespace records in {folder}: name one with --namespace")
-        path = os.path.join(folder, records[0])
-    with open(path) as record:
-        return json.load(record)
+def find_namespace(records: list[dict], path: str | None, ours: dict | None) -> dict:
+    """Whose keys a prompt is looked up under: the record at ``path``; else the instance whose
+    namespace ``--model`` gives; else the only instance that recorded one."""
+    if path is not None:
+        with open(path) as record:
+            return json.load(record)
+    if ours is not None:
+        return ours  # with no instance's record, it holds nothing: where its blocks are, under others, is told
+    if len(records) != 1:
+        raise ValueError(f"{len(records)} namespace records in the tiers' directories: name the instance with "
+                         f"--model (and its --engine-args) or --namespace")
+    return records[0]
 
 
-def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], timeout_s: float = 10.0) -> list[dict]:
+def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], records: list[dict],
+                     timeout_s: float = 10.0) -> list[dict]:
     """For each full block of ``token_ids`` keyed as the instance of ``record`` keys them: the
-    tiers below the host pool that hold it, or why none does."""
+    tiers below the host pool that hold it, or why none does (the first block none holds is
+    also looked for under the other recorded namespaces)."""
     from kvtier.keys import block_keys
-    from kvtier.tiers.disk import entries_in
-    from kvtier.tiers.registry import make_index, tier_specs
+    from kvtier.tiers.registry import held_from_outside, tier_specs
 
-    namespace = record["namespace"]
-    keys = block_keys(bytes.fromhex(record["fingerprint"]), token_ids, namespace["block_size"])
+    block_size = record["namespace"]["block_size"]
+    keys = block_keys(bytes.fromhex(record["fingerprint"]), token_ids, block_size)
     ranks = [bytes.fromhex(fp) for fp in record["rank_fingerprints"]]
-    held: dict[str, set[bytes]] = {}
-    for spec in tier_specs(config):
-        if spec.module == "kvtier.tiers.disk":  # headers only, no lock taken: a running instance keeps its files
-            per_rank: dict[bytes, set[bytes]] = {}
-            for path, _, key, _, _ in entries_in(spec.location):
-                per_rank.setdefault(bytes.fromhex(path.parent.name), set()).add(key)
-            held[spec.name] = set.intersection(*(per_rank.get(fp, set()) for fp in ranks))
-            continue
-        index = make_index(spec, record["slot_bytes"], ranks)
-        deadline = time.monotonic() + timeout_s
-        while (found := index.lookup(keys, "doctor")) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        held[spec.name] = {key for key, hit in zip(keys, found or []) if hit}
-        index.close()
+    specs = tier_specs(config)
+    held = {spec.name: held_from_outside(spec, record["slot_bytes"], ranks, keys, timeout_s) if ranks else set()
+            for spec in specs}  # no ranks: no instance of this namespace recorded entries here
     report, first_gap = [], None
     for i, key in enumerate(keys):
         tiers = [name for name, keys_held in held.items() if key in keys_held]
         if tiers:
             why = "" if first_gap is None else f"held, but block {first_gap} before it is not: recomputed from there"
+        elif first_gap is None:
+            first_gap = i
+            why = _elsewhere(specs, record, records, token_ids, i * block_size, timeout_s) or (
+                "no tier holds it: never stored, or evicted" if ranks else
+                "no instance with this namespace recorded entries in the tiers' directories")
         else:
-            first_gap = i if first_gap is None else first_gap
-            why = ("no tier holds it: never stored, evicted, or stored by an instance of another namespace "
-                   "(model, layout, rank)" if first_gap == i else f"not held, after block {first_gap}")
+            why = f"not held, after block {first_gap}"
         report.append({"block": i, "key": key.hex(), "tiers": tiers, "why": why})
     return report
+
+
+def _elsewhere(specs, record: dict, records: list[dict], token_ids: list[int], token: int, timeout_s: float) -> str:
+    from kvtier.tiers.registry import held_from_outside
+
+    for other in records:
+        key = namespaces.key_at(other, token_ids, token) if other["fingerprint"] != record["fingerprint"] else None
+        if key is None:
+            continue
+        ranks = [bytes.fromhex(fp) for fp in other["rank_fingerprints"]]
+        tiers = [spec.name for spec in specs
+                 if held_from_outside(spec, int(other["slot_bytes"]), ranks, [key], timeout_s)]
+        if tiers:
+            return (f"not under this namespace, but held in {', '.join(tiers)} under namespace "
+                    f"{other['fingerprint'][:12]} of another instance, which differs in "
+                    f"{', '.join(namespaces.differences(record, other))}")
+    return ""

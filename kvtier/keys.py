@@ -58,27 +58,6 @@ class Namespace:
         return replace(self, tp_rank=rank, device_layout=device_layout)
 
 
-def write_namespace_record(directory, namespace: Namespace, rank_fingerprints: Sequence[bytes],
-                           slot_bytes: int) -> str:
-    """``<directory>/namespaces/<fingerprint>.json``: what a running instance keys blocks with, so
-    that ``kvtier doctor`` can key a prompt the same way and compare instances. Plain JSON."""
-    import json
-    import os
-
-    folder = os.path.join(directory, "namespaces")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    fingerprint = namespace.fingerprint().hex()
-    record = {"fingerprint": fingerprint, "rank_fingerprints": [fp.hex() for fp in rank_fingerprints],
-              "slot_bytes": slot_bytes,
-              "namespace": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(namespace).items()}}
-    path = os.path.join(folder, f"{fingerprint}.json")
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        json.dump(record, out, indent=1)
-    os.replace(temporary, path)
-    return path
-
-
 def _extra_bytes(extra_keys: Sequence[str | bytes | int]) -> bytes:
     if not extra_keys:
         return b""

@@ -98,6 +98,22 @@ class TierManager:
         self.misses: Counter = Counter()  # reason -> prompt tokens missed for it (the first missed block's)
         self.block_tokens = config.block_size or 0  # tokens per block (the engine's), for load-time misses
         self.load_misses: dict[str, int] = {}  # req_id -> tokens counted as missed when its load failed
+        # Tells a block held under another instance's namespace from one never stored, off this
+        # thread (``kvtier.namespaces.ForeignProbe``); its answers are counted as they come.
+        self.probe = None
+
+    def count_miss(self, reason: str, tokens: int, token_ids=None, token: int = 0, extra_keys=()) -> None:
+        """Count ``tokens`` missed for ``reason``; a block never stored here (``token_ids``'
+        block at position ``token``) is first looked for under the other recorded namespaces."""
+        if reason == "never_stored" and token_ids is not None and self.probe is not None \
+                and self.probe.submit(token_ids, token, extra_keys, tokens):
+            return  # counted when the probe answers
+        self.misses[reason] += tokens
+
+    def _count_probed(self) -> None:
+        if self.probe is not None:
+            for reason, tokens in self.probe.take():
+                self.misses[reason] += tokens
 
     def take_holdings(self) -> list[tuple[str, str, bytes]]:
         """What became loadable from each tier, and what stopped being, since the last call
@@ -107,6 +123,7 @@ class TierManager:
         return taken
 
     def _absorb(self) -> None:
+        self._count_probed()
         if not self._holdings:
             return
         for kind, tier, key in self._holdings:
@@ -322,6 +339,8 @@ class TierManager:
         return len(self._held)
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
         for tier in self.tiers:
             tier.close()
 

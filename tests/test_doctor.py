@@ -22,20 +22,15 @@ def doctor(extra: dict, *args: str) -> tuple[int, dict]:
 
 
 def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
-    from kvtier.demo.model import make_model
-    from kvtier.model_identity import model_fingerprint
-
-    model = str(make_model(tmp_path / "model", num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1))
     disk, shared = tmp_path / "disk", tmp_path / "shared"
     with local_redis(log_path=str(tmp_path / "redis.log"), password="hunter2") as redis_server, \
             local_mooncake(log_path=str(tmp_path / "mooncake.log")) as mooncake_server:
-        results = [doctor({"disk_dir": str(disk), "remote_url": url}, "--model", model)
+        results = [doctor({"disk_dir": str(disk), "remote_url": url})
                    for url in (redis_server.url, mooncake_server.url, f"file://{shared}")]
     for status, checks in results:
         assert status == 0 and all(check["ok"] for check in checks.values()), checks
         assert checks["disk_dir"]["detail"].startswith(f"{disk}: writable")
         assert "byte-exact" in checks["disk"]["detail"]
-        assert model_fingerprint(model) in checks["model"]["detail"]
     assert {name for _, checks in results for name in checks} >= {"redis", "mooncake", "file"}
     assert "hunter2" not in json.dumps(results) and "redis://:***@" in results[0][1]["redis"]["detail"]
     assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
@@ -99,13 +94,34 @@ def test_which_tier_holds_each_block_of_a_prompt_and_why_not(tmp_path):
                                           "engine": {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 4},
                                           "phases": [{"prompts": [prompt], "max_tokens": 1}]})
         status, _ = doctor(extra)
-        run = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--json", "--kv-transfer-config",
-                              json.dumps({"kv_connector_extra_config": extra}), "--token-ids",
-                              json.dumps(prompt[:10 * 32] + more)], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
-    report = json.loads(run.stdout[run.stdout.index("{"):])
-    assert status == 0 and run.returncode == 0, run.stdout + run.stderr
-    blocks = report["blocks"]
+        engine = {"dtype": "float32", "max_model_len": 4096, "block_size": 32}  # as the harness ran it
+        same = report(extra, "--model", model, "--engine-args", json.dumps(engine),
+                      "--token-ids", json.dumps(prompt[:10 * 32] + more))
+        other = report(extra, "--model", model, "--engine-args", json.dumps({**engine, "block_size": 64}),
+                       "--token-ids", json.dumps(prompt[:4 * 32]))
+    assert status == 0 and same["status"] == 0 and other["status"] == 0, (same, other)
+    record = json.load(open(next((tmp_path / "disk" / "namespaces").iterdir())))
+    # vLLM's configuration, read without an engine, gives the namespace the running instance recorded.
+    assert same["namespace"] == record["fingerprint"]
+    assert "an instance with this namespace recorded" in checks_of(same)["namespace"]["detail"]
+    blocks = same["blocks"]
     assert [b["tiers"] for b in blocks] == [["disk", "redis"]] * 10 + [[], []]
     assert "no tier holds it" in blocks[10]["why"] and "after block 10" in blocks[11]["why"]
-    assert report["namespace"] == json.load(open(next((tmp_path / "disk" / "namespaces").iterdir())))["fingerprint"]
+    # Another block size: another namespace. Its first block is found under the recorded one, named.
+    assert other["namespace"] != record["fingerprint"]
+    assert "differs in block_size: 64 here, 32 there" in checks_of(other)["namespace"]["detail"]
+    assert [b["tiers"] for b in other["blocks"]] == [[], []]
+    assert f"held in disk, redis under namespace {record['fingerprint'][:12]}" in other["blocks"][0]["why"]
+    assert "block_size: 64 here, 32 there" in other["blocks"][0]["why"]
+
+
+def report(extra: dict, *args: str) -> dict:
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--json", "--kv-transfer-config",
+                          json.dumps({"kv_connector_extra_config": extra}), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=180)
+    assert run.stdout.count("{"), run.stderr
+    return json.loads(run.stdout[run.stdout.index("{"):])
+
+
+def checks_of(result: dict) -> dict:
+    return {check["name"]: check for check in result["checks"]}

@@ -293,3 +293,25 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b) - BLOCK}
     for run in (first, down, evicted, staged):
         assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0
+
+
+def test_a_prompt_stored_under_another_namespace_is_a_miss_counted_as_such(workdir, model, tmp_path):
+    """Real vLLM, twice on one disk_dir: the first instance with block size 64 stores a prompt;
+    the second, with block size 32, misses it, and counts the miss under "namespace_differs",
+    while a prompt nobody stored is "never_stored"."""
+    rng = random.Random(8)
+    a, c = ([rng.randrange(3, 2000) for _ in range(6 * BLOCK)] for _ in range(2))
+    extra = {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk")}
+    spec = {"model": model, "connector": "kvtier", "extra": extra, "warmup": False, "layout": "in_process"}
+    apps.run_app(workdir, "namespace-a", {**spec, "engine": {**ENGINE, "block_size": 64},
+                                          "phases": [{"prompts": [a], "max_tokens": 1}]})
+    second = apps.run_app(workdir, "namespace-b", {**spec, "engine": {**ENGINE, "block_size": 32}, "phases": [
+        {"prompts": [a], "max_tokens": 1}, {"prompts": [c], "max_tokens": 1, "idle_s": 1},
+        {"prompts": [[5, 6, 7]], "max_tokens": 1}]})  # a step after the probe's answers: they are counted
+    misses = {}
+    for phase in second["phases"]:
+        for reason, tokens in phase["kvtier_delta"]["misses"].items():
+            misses[reason] = misses.get(reason, 0) + tokens
+    assert misses == {"namespace_differs": len(a), "never_stored": len(c), "partial_block": 3}
+    assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == 0
+    assert len(list((tmp_path / "disk" / "namespaces").iterdir())) == 2

@@ -229,11 +229,14 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def entries_in(root) -> list[tuple[Path, int, bytes, int, int]]:
-    """(file, offset, key, payload bytes, location) of every place under ``root`` whose header
-    names a kvtier entry of its file's namespace. Headers only: a payload may still fail its checksum."""
+def entries_in(root, rank_fingerprints: Sequence[bytes] | None = None) -> list[tuple[Path, int, bytes, int, int]]:
+    """(file, offset, key, payload bytes, location) of every place under ``root`` (of the ranks
+    of ``rank_fingerprints``; None: all) whose header names a kvtier entry of its file's
+    namespace. Headers only: a payload may still fail its checksum."""
     found = []
-    for path in sorted(Path(root).glob("*/entries-*.kvtier")):
+    paths = (Path(root).glob("*/entries-*.kvtier") if rank_fingerprints is None else
+             [p for fp in rank_fingerprints for p in (Path(root) / fp.hex()).glob("entries-*.kvtier")])
+    for path in sorted(paths):
         fingerprint = bytes.fromhex(path.parent.name)
         with open(path, "rb") as file:
             first = read_header_length(file.read(HEADER_BYTES))  # place 0 is the first one written
@@ -247,6 +250,39 @@ def entries_in(root) -> list[tuple[Path, int, bytes, int, int]]:
                     number = int(path.name.split("-")[1].split(".")[0])
                     found.append((path, place * entry_bytes, key, first, (number << FILE_BITS) | place))
     return found
+
+
+def write_record(spec: TierSpec, record: dict) -> bool:
+    """A namespace record, in ``namespaces/`` beside the entries."""
+    from kvtier.namespaces import write_record_in
+    return bool(write_record_in(spec.location, record))
+
+
+def read_records(spec: TierSpec) -> list[dict]:
+    from kvtier.namespaces import read_records_in
+    return read_records_in([spec.location])
+
+
+_outside: dict[tuple, tuple[float, set[bytes]]] = {}  # (root, ranks) -> (when read, keys every rank holds)
+
+
+def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes],
+                      keys: Sequence[bytes], max_age_s: float = 30.0) -> set[bytes]:
+    """Which of ``keys`` every rank's file holds, from the places' headers (no lock taken: a
+    running instance keeps its files). The headers are read once per ``max_age_s``."""
+    import time
+
+    cache_key = (str(spec.location), tuple(rank_fingerprints))
+    when, held = _outside.get(cache_key, (0.0, set()))
+    if time.monotonic() - when > max_age_s:
+        per_rank: dict[bytes, set[bytes]] = {fp: set() for fp in rank_fingerprints}
+        for path, _, key, _, _ in entries_in(spec.location, rank_fingerprints):
+            per_rank[bytes.fromhex(path.parent.name)].add(key)
+        held = set.intersection(*per_rank.values()) if per_rank else set()
+        if len(_outside) > 64:
+            _outside.clear()
+        _outside[cache_key] = (time.monotonic(), held)
+    return held.intersection(keys)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

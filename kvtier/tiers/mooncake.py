@@ -18,7 +18,7 @@ from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
 from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index
+from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls
 from kvtier.units import parse_bytes
 
 
@@ -31,11 +31,18 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    return make_pool_index(spec, rank_fingerprints, lambda: MooncakeClient(spec.location, spec.timeout_s))
+    return make_pool_index(spec, rank_fingerprints, _connector(spec))
+
+
+def _connector(spec: TierSpec):
+    return lambda: MooncakeClient(spec.location, spec.timeout_s)
+
+
+held_from_outside, write_record, read_records, release_outside = outside_calls(_connector)
 
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
-    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: MooncakeClient(spec.location, spec.timeout_s))
+    return PoolStore(spec, rank_fingerprint, slot_bytes, _connector(spec))
 
 
 def _address(view: memoryview) -> int:

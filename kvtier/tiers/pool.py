@@ -254,6 +254,7 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
 
     index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
                            on_overdue=guarded.mark_down)
+    _outside_client(spec, connect, guarded)  # the namespace probe asks through this client too
     index.client = guarded  # closed with the index
     index.stats = lambda: {"down": guarded.num_failures}
     close = index.close
@@ -264,6 +265,102 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
 
     index.close = close_both
     return index
+
+
+# What is asked of a pool besides blocks (the namespace probe, `kvtier doctor`) goes through one
+# client per pool and process: the scheduler's index's where there is one (no second connection,
+# no second Mooncake segment), else one made on first use.
+RECORD_BYTES = 4096  # one namespace record, JSON padded with spaces
+RECORD_SLOTS = 32  # kvtier-namespaces/<i>: a record takes the slot its fingerprint names
+_outside: dict[str, tuple[GuardedClient, np.ndarray, threading.Lock]] = {}
+_outside_lock = threading.Lock()
+
+
+def _outside_client(spec: TierSpec, connect: Callable[[], PoolClient], guarded: GuardedClient | None = None):
+    with _outside_lock:
+        found = _outside.get(spec.location)
+        if found is None:
+            guarded = guarded or GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s, max_calls=2)
+            buffers = np.zeros((RECORD_SLOTS, RECORD_BYTES), np.uint8)  # registered: Mooncake moves no other bytes
+            guarded.register(buffers.ctypes.data, buffers.nbytes)
+            found = _outside[spec.location] = (guarded, buffers, threading.Lock())
+        return found
+
+
+def release_outside(spec: TierSpec) -> None:
+    """Close the client kept for ``spec``'s pool (a Mooncake client left open keeps threads that
+    retry a pool gone away)."""
+    with _outside_lock:
+        found = _outside.pop(spec.location, None)
+    if found is not None:
+        found[0].close()
+
+
+def pool_held(spec: TierSpec, connect: Callable[[], PoolClient], rank_fingerprints: Sequence[bytes],
+              keys: Sequence[bytes]) -> set[bytes]:
+    """Which of ``keys`` every rank stored in the pool (nothing while it is down)."""
+    guarded = _outside_client(spec, connect)[0]
+    ranks = list(rank_fingerprints)
+    answer = guarded.call("exists", [pool_key(fp, key) for key in keys for fp in ranks])
+    if answer is None:
+        return set()
+    return {key for i, key in enumerate(keys) if all(answer[i * len(ranks):(i + 1) * len(ranks)])}
+
+
+def _record_name(slot: int) -> str:
+    return f"kvtier-namespaces/{slot}"
+
+
+def write_pool_record(spec: TierSpec, connect: Callable[[], PoolClient], record: dict) -> bool:
+    """Leave ``record`` (``kvtier.namespaces``) in the pool, in the slot its fingerprint names."""
+    import json
+
+    data = json.dumps(record, separators=(",", ":")).encode()
+    if len(data) > RECORD_BYTES:
+        return False
+    guarded, buffers, lock = _outside_client(spec, connect)
+    slot = int(record["fingerprint"][:8], 16) % RECORD_SLOTS
+    with lock:
+        buffers[slot] = ord(" ")
+        buffers[slot, :len(data)] = np.frombuffer(data, np.uint8)
+        row = memoryview(buffers[slot])
+        stored = guarded.call("put", [_record_name(slot)], [row[:HEADER_BYTES]], [row[HEADER_BYTES:]])
+    return bool(stored and stored[0])
+
+
+def read_pool_records(spec: TierSpec, connect: Callable[[], PoolClient]) -> list[dict]:
+    """The records instances left in the pool (plain JSON, never unpickled; not trusted for bytes)."""
+    import json
+
+    guarded, buffers, lock = _outside_client(spec, connect)
+    with lock:
+        rows = [memoryview(buffers[i]) for i in range(RECORD_SLOTS)]
+        found = guarded.call("get_into", [_record_name(i) for i in range(RECORD_SLOTS)],
+                             [row[:HEADER_BYTES] for row in rows], [row[HEADER_BYTES:] for row in rows])
+        texts = [bytes(buffers[i]) for i, hit in enumerate(found or []) if hit]
+    records = []
+    for text in texts:
+        try:
+            records.append(json.loads(text))
+        except ValueError:
+            continue
+    return records
+
+
+def outside_calls(connector: Callable[[TierSpec], Callable[[], PoolClient]]):
+    """A pool module's ``held_from_outside``, ``write_record``, ``read_records`` and
+    ``release_outside`` (``kvtier.tiers.registry``), given how it connects to a spec's pool."""
+
+    def held_from_outside(spec, slot_bytes, rank_fingerprints, keys):
+        return pool_held(spec, connector(spec), rank_fingerprints, keys)
+
+    def write_record(spec, record):
+        return write_pool_record(spec, connector(spec), record)
+
+    def read_records(spec):
+        return read_pool_records(spec, connector(spec))
+
+    return held_from_outside, write_record, read_records, release_outside
 
 
 class PoolStore(TierStore):

@@ -17,7 +17,7 @@ from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
 from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, make_pool_index
+from kvtier.tiers.pool import PoolClient, PoolStore, make_pool_index, outside_calls
 
 
 def validate(url: str) -> None:
@@ -27,6 +27,13 @@ def validate(url: str) -> None:
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
     return make_pool_index(spec, rank_fingerprints, lambda: RedisClient(spec.location, spec.timeout_s, 0))
+
+
+def _connector(spec: TierSpec):
+    return lambda: RedisClient(spec.location, spec.timeout_s, spec.options.get("ttl_s", 0))
+
+
+held_from_outside, write_record, read_records, release_outside = outside_calls(_connector)
 
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:

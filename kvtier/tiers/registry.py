@@ -62,3 +62,43 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> Tier
     store = importlib.import_module(spec.module).make_store(spec, rank_fingerprint, slot_bytes)
     store.mac_key = load_entry_key(spec.options.get("entry_key_file"))  # read here, in the I/O process
     return store
+
+
+def write_record(spec: TierSpec, record: dict) -> bool | None:
+    """Leave a namespace record (``kvtier.namespaces``) in the tier; None: it keeps none."""
+    write = getattr(importlib.import_module(spec.module), "write_record", None)
+    return write(spec, record) if write is not None else None
+
+
+def read_records(spec: TierSpec) -> list[dict]:
+    """The namespace records that instances left in the tier."""
+    read = getattr(importlib.import_module(spec.module), "read_records", None)
+    return read(spec) if read is not None else []
+
+
+def release_outside(spec: TierSpec) -> None:
+    """Close what ``held_from_outside`` and the records kept open for ``spec`` (a client)."""
+    release = getattr(importlib.import_module(spec.module), "release_outside", None)
+    if release is not None:
+        release(spec)
+
+
+def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes],
+                      keys: Sequence[bytes], timeout_s: float) -> set[bytes]:
+    """Which of ``keys`` (of any namespace, named by its ranks' fingerprints) the tier holds, asked
+    as a process outside the engine would: no pins, no lock taken, an answer within about
+    ``timeout_s``. A tier module may answer it itself (``held_from_outside``); otherwise its index
+    is asked."""
+    import time
+
+    own = getattr(importlib.import_module(spec.module), "held_from_outside", None)
+    if own is not None:
+        return own(spec, slot_bytes, rank_fingerprints, keys)
+    index = make_index(spec, slot_bytes, rank_fingerprints)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (found := index.lookup(keys, "outside")) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return {key for key, hit in zip(keys, found or []) if hit}
+    finally:
+        index.close()

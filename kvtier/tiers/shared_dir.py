@@ -63,6 +63,23 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
     return ExistenceIndex(spec.name, exists, spec.timeout_s)
 
 
+def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes],
+                      keys: Sequence[bytes]) -> set[bytes]:
+    root, size = Path(_directory_and_bound(spec.location)[0]), HEADER_BYTES + slot_bytes
+    return {key for key in keys if all(_size(entry_path(root, fp, key)) == size for fp in rank_fingerprints)}
+
+
+def write_record(spec: TierSpec, record: dict) -> bool:
+    """A namespace record, in ``namespaces/`` beside the entries."""
+    from kvtier.namespaces import write_record_in
+    return bool(write_record_in(_directory_and_bound(spec.location)[0], record))
+
+
+def read_records(spec: TierSpec) -> list[dict]:
+    from kvtier.namespaces import read_records_in
+    return read_records_in([_directory_and_bound(spec.location)[0]])
+
+
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "SharedDirStore":
     root, bound = _directory_and_bound(spec.location)
     return SharedDirStore(root, rank_fingerprint, slot_bytes, spec.threads, bound)

@@ -111,6 +111,8 @@ class KVEvents:
                     self.journal.append(key, meta)
             elif shared or tier in self._held_in.get(key, ()):
                 out.append(self._removed(block_hashes=[meta.block_hash], medium=medium, **where))
+                if tier == "disk" and self.journal is not None:
+                    self.journal.drop(key)
                 tiers = self._held_in.get(key)
                 if tiers is not None:
                     tiers.discard(tier)
@@ -172,6 +174,10 @@ class DiskJournal:
     def append(self, key: bytes, meta: BlockMeta) -> None:
         self._writes.put((key, meta))
 
+    def drop(self, key: bytes) -> None:
+        """The disk no longer holds ``key``: the next rewrite leaves it out."""
+        self._writes.put((key, None))
+
     def take_found(self) -> list[tuple[bytes, BlockMeta]]:
         with self._lock:
             taken, self._found = self._found[:self.batch], self._found[self.batch:]
@@ -185,24 +191,21 @@ class DiskJournal:
         import msgspec
 
         encoder = msgspec.msgpack.Encoder()
-        found = {}
+        live: dict[bytes, bytes] = {}  # key -> its record, for what the disk holds
         try:
             with open(self.path, "rb") as journal:
                 for record in _records(journal):
                     key, *fields = record
                     if isinstance(key, bytes) and key in held_keys and len(fields) == 6:
-                        found[key] = BlockMeta(fields[0], fields[1], tuple(fields[2]), fields[3], fields[4],
-                                               fields[5])
+                        meta = BlockMeta(fields[0], fields[1], tuple(fields[2]), fields[3], fields[4], fields[5])
+                        live[key] = _frame(encoder, key, meta)
+                        with self._lock:
+                            self._found.append((key, meta))
         except (OSError, ValueError, msgspec.DecodeError):  # none yet, or cut short: what was read stands
             pass
-        with self._lock:
-            self._found = list(found.items())
-        temporary = self.path + ".tmp"
-        with _owner_only(temporary, os.O_TRUNC) as rewritten:  # only what the disk still holds
-            for key, meta in found.items():
-                rewritten.write(_frame(encoder, key, meta))
-        os.replace(temporary, self.path)
-        with _owner_only(self.path, os.O_APPEND) as journal:
+        journal = self._rewrite(live)
+        written = len(live)  # records in the file; past twice the live ones (and 1,000), it is rewritten
+        try:
             while (item := self._writes.get()) is not None:
                 pending = [item]
                 while not self._writes.empty():  # one write for whatever queued meanwhile
@@ -211,12 +214,27 @@ class DiskJournal:
                         self._writes.put(None)
                         break
                     pending.append(more)
-                journal.write(b"".join(_frame(encoder, key, meta) for key, meta in pending))
+                frames = []
+                for key, meta in pending:
+                    if meta is None:
+                        live.pop(key, None)
+                    else:
+                        frames.append(live.setdefault(key, _frame(encoder, key, meta)))
+                journal.write(b"".join(frames))
                 journal.flush()
+                written += len(frames)
+                if written > 2 * len(live) + 1000:
+                    journal.close()
+                    journal, written = self._rewrite(live), len(live)
+        finally:
+            journal.close()
 
+    def _rewrite(self, live: dict[bytes, bytes]):
+        """The journal made of the live records only (atomically), then opened for appends."""
+        from kvtier.namespaces import write_private
 
-def _owner_only(path: str, flags: int):
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600), "wb")
+        write_private(self.path, b"".join(live.values()))
+        return os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "wb")
 
 
 def _frame(encoder, key: bytes, meta: BlockMeta) -> bytes:

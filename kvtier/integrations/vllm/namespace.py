@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
     namespace = Namespace(
-        model=config.model_id or str(vllm_config.model_config.model),
+        model=config.model_id or _model_name(str(vllm_config.model_config.model)),
         kv_dtype=str(spec.dtype),
         layout="mla" if is_mla else "kv",
         geometry=(spec.head_size,) if is_mla else (spec.num_kv_heads, spec.head_size),
@@ -46,6 +47,39 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
                           parallel.world_size)
+
+
+def offline_namespace(model: str, engine_args: dict, config: KVTierConfig) -> Namespace:
+    """The namespace that vLLM started with ``model`` and ``engine_args`` (``EngineArgs`` fields:
+    block_size, dtype, kv_cache_dtype, tensor_parallel_size, ...) would key blocks with, from
+    vLLM's own configuration, without starting an engine (``kvtier doctor --model``)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_config = EngineArgs(model=model, **engine_args).create_engine_config()
+    model_config, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if cache.cache_dtype == "auto":
+        kv_dtype = model_config.dtype
+    else:
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+        kv_dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config)
+    is_mla = bool(getattr(model_config, "use_mla", False))
+    head_size = model_config.get_head_size()
+    return Namespace(
+        model=config.model_id or _model_name(model),
+        kv_dtype=str(kv_dtype),
+        layout="mla" if is_mla else "kv",
+        geometry=(head_size,) if is_mla else (model_config.get_num_kv_heads(parallel), head_size),
+        num_layers=model_config.get_num_layers(parallel),
+        block_size=cache.block_size,
+        tp_size=parallel.tensor_parallel_size,
+        weights=_weights(model_config),
+    )
+
+
+def _model_name(model: str) -> str:
+    """A hub name as it is; a local directory by its content alone (``weights``), not its path, so
+    that instances that mount the same files at other paths share their KV."""
+    return "" if os.path.exists(model) else model
 
 
 def _weights(model_config) -> str:
@@ -62,8 +96,15 @@ def _weights(model_config) -> str:
             local = model
     settings = {name: str(getattr(model_config, name, None))
                 for name in ("dtype", "quantization", "hf_overrides", "override_generation_config")}
-    settings["name"] = model
-    return model_fingerprint(local, revision, settings)
+    if not os.path.exists(model):
+        settings["name"] = model  # a hub name (or a name with no files here) stands for the model
+    return _fingerprint(local, revision, tuple(sorted(settings.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(local: str, revision: str | None, settings: tuple) -> str:
+    """Once per process: the scheduler and a worker in its process read the files once."""
+    return model_fingerprint(local, revision, dict(settings))
 
 
 _adapters: dict[tuple, str] = {}

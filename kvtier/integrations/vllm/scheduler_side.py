@@ -79,14 +79,12 @@ class SchedulerSide:
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
             journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
             self._events = KVEvents({spec.name: spec.location for spec in self.manager.specs}, journal=journal)
-        if self.config.disk_dir:  # for `kvtier doctor`: how this instance keys blocks (start-up only)
-            from kvtier.keys import write_namespace_record
-            try:
-                record = write_namespace_record(self.config.disk_dir, self.geometry.namespace, fingerprints,
-                                                self.geometry.slot_bytes)
-                logger.info("kvtier: namespace %s (%s)", self.fingerprint.hex(), record)
-            except OSError as error:  # the disk tier reports its own trouble; this record is a convenience
-                logger.warning("kvtier: namespace record not written: %s", error)
+        # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
+        # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
+        from kvtier.namespaces import ForeignProbe, record_of
+        self.manager.probe = ForeignProbe(self.manager.specs, record_of(self.geometry.namespace, fingerprints,
+                                                                        self.geometry.slot_bytes),
+                                          self.config.remote_timeout_s)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
                     [tier.name for tier in self.manager.tiers] or "none", metadata[0].layout)
 
@@ -178,7 +176,8 @@ class SchedulerSide:
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
-            self.manager.misses[reason] += missed - counted
+            self.manager.count_miss(reason, missed - counted, request.all_token_ids[:request.num_tokens],
+                                    hit_tokens, state.extra_keys)
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
