@@ -140,9 +140,11 @@ class ForeignProbe:
     """Whether a missed block is held under another recorded namespace, answered on a thread of
     its own (record reads, key chains and tier checks never run on the scheduler's thread).
 
-    It first leaves this instance's own record in every tier that keeps records. ``submit`` queues one miss (at most ``max_queued``; past that, or with no foreign record,
-    it returns False and the caller counts the miss as never stored at once). Each answer
-    comes back through ``take`` as (reason, tokens): "namespace_differs" or "never_stored".
+    It first leaves this instance's own record in every tier that keeps records, and again
+    every ``RELOAD_S``, when it also reads the others' again. ``submit`` queues one miss (at
+    most ``max_queued``; past that, or with no foreign record, it returns False and the caller
+    counts the miss as never stored at once). Each answer comes back through ``take`` as
+    (reason, tokens): "namespace_differs" or "never_stored".
     """
 
     def __init__(self, specs, own_record: dict, timeout_s: float, max_queued: int = 256):
@@ -208,7 +210,11 @@ class ForeignProbe:
     def _serve(self) -> None:
         while True:
             if time.monotonic() - self._loaded_at > RELOAD_S:  # at start (this instance's own record
-                self._reload()  # first), then every RELOAD_S: records expire in pools, instances come
+                try:  # first), then every RELOAD_S: records expire in pools, instances come and go
+                    self._reload()
+                except Exception as error:  # a tier's trouble is its own to report; probing goes on
+                    logger.warning("kvtier: namespace records not read: %s", error)
+                    self._loaded_at = time.monotonic()
             try:
                 job = self._queue.get(timeout=RELOAD_S)
             except queue.Empty:

@@ -24,6 +24,7 @@ BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 8}
 PROMPT = [random.Random(11).randrange(3, 2000) for _ in range(800)]
 FULL_BLOCKS = len(PROMPT) // BLOCK
+ENTRY_GET = b"\r\nGET\r\n$72\r\nkvtier/"  # a load's read of an entry (kvtier/<rank>/<key>), nothing else
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
         apps.run_app(workdir, f"kill-{layout}-a", {**spec, "extra": {**base, "remote_url": server.url},
                                                    "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
         host, port = server.url.split("//")[1].split(":")
-        relay = Relay((host, int(port.split("/")[0])), arm_on=b"\r\nGET\r\n", delay_s=2.0)
+        relay = Relay((host, int(port.split("/")[0])), arm_on=ENTRY_GET, delay_s=2.0)
         marker = f"{workdir.name}/kill-{layout}-b"
         killed = []
 
@@ -213,7 +214,7 @@ def _fault_setup(case: str, tmp_path: Path, stack):
     from tests.e2e.relay import Relay  # "pool-slow": the load's replies held back, chunk by chunk
 
     server = stack.enter_context(local_redis(log_path=str(tmp_path / "redis.log")))
-    relay = Relay(("127.0.0.1", server.port), arm_on=b"\r\nGET\r\n", delay_s=0.25)  # each chunk: ~4 s in all
+    relay = Relay(("127.0.0.1", server.port), arm_on=ENTRY_GET, delay_s=0.25)  # each chunk: ~4 s in all
     stack.callback(relay.close)
     return ({**base, "remote_url": server.url},
             {**base, "remote_url": f"redis://127.0.0.1:{relay.port}/0", "load_timeout_s": 1,
