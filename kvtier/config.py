@@ -201,8 +201,10 @@ KEYS: dict[str, _Key] = {
         "BLAKE3 MAC of its header and bytes, and only entries with a valid tag load. Without it, checksums "
         "catch damage but not entries planted by whoever can write to disk_dir or the pool."),
     "model_id": _Key(
-        None, _parse_optional_str, lambda v: True, "a string, or null to take the engine's model name",
-        "Model identity mixed into every key; set it when two different models share a name or path."),
+        None, _parse_optional_str, lambda v: True,
+        "a string, or null: a hub model by its name, a local one by its files' content alone",
+        "Model identity mixed into every key (beside the weights' content fingerprint, which is always there): "
+        "a local model's path is not, so the same files mounted elsewhere share KV."),
     "config_file": _Key(
         None, _parse_optional_str, lambda v: v is None or Path(v).is_file(), "the path of an existing YAML file",
         "YAML file with any of these keys (also KVTIER_CONFIG)."),
