@@ -235,8 +235,7 @@ def find_namespace(records: list[dict], path: str | None, ours: dict | None) -> 
     return records[0]
 
 
-def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], records: list[dict],
-                     timeout_s: float = 10.0) -> list[dict]:
+def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], records: list[dict]) -> list[dict]:
     """For each full block of ``token_ids`` keyed as the instance of ``record`` keys them: the
     tiers below the host pool that hold it, or why none does (the first block none holds is
     also looked for under the other recorded namespaces)."""
@@ -247,7 +246,7 @@ def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], r
     keys = block_keys(bytes.fromhex(record["fingerprint"]), token_ids, block_size)
     ranks = [bytes.fromhex(fp) for fp in record["rank_fingerprints"]]
     specs = tier_specs(config)
-    held = {spec.name: held_from_outside(spec, record["slot_bytes"], ranks, keys, timeout_s) if ranks else set()
+    held = {spec.name: held_from_outside(spec, record["slot_bytes"], ranks, keys) if ranks else set()
             for spec in specs}  # no ranks: no instance of this namespace recorded entries here
     report, first_gap = [], None
     for i, key in enumerate(keys):
@@ -256,7 +255,7 @@ def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], r
             why = "" if first_gap is None else f"held, but block {first_gap} before it is not: recomputed from there"
         elif first_gap is None:
             first_gap = i
-            why = _elsewhere(specs, record, records, token_ids, i * block_size, timeout_s) or (
+            why = _elsewhere(specs, record, records, token_ids, i * block_size) or (
                 "no tier holds it: never stored, or evicted" if ranks else
                 "no instance with this namespace recorded entries in the tiers' directories")
         else:
@@ -265,7 +264,7 @@ def where_blocks_are(config: KVTierConfig, record: dict, token_ids: list[int], r
     return report
 
 
-def _elsewhere(specs, record: dict, records: list[dict], token_ids: list[int], token: int, timeout_s: float) -> str:
+def _elsewhere(specs, record: dict, records: list[dict], token_ids: list[int], token: int) -> str:
     from kvtier.tiers.registry import held_from_outside
 
     for other in records:
@@ -274,7 +273,7 @@ def _elsewhere(specs, record: dict, records: list[dict], token_ids: list[int], t
             continue
         ranks = [bytes.fromhex(fp) for fp in other["rank_fingerprints"]]
         tiers = [spec.name for spec in specs
-                 if held_from_outside(spec, int(other["slot_bytes"]), ranks, [key], timeout_s)]
+                 if held_from_outside(spec, int(other["slot_bytes"]), ranks, [key])]
         if tiers:
             return (f"not under this namespace, but held in {', '.join(tiers)} under namespace "
                     f"{other['fingerprint'][:12]} of another instance, which differs in "

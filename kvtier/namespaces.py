@@ -239,6 +239,6 @@ class ForeignProbe:
                 continue
             ranks = [bytes.fromhex(fp) for fp in record["rank_fingerprints"]]
             for spec in self._specs:
-                if held_from_outside(spec, int(record["slot_bytes"]), ranks, [key], self._timeout_s):
+                if held_from_outside(spec, int(record["slot_bytes"]), ranks, [key]):
                     return True
         return False

@@ -84,21 +84,9 @@ def release_outside(spec: TierSpec) -> None:
 
 
 def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes],
-                      keys: Sequence[bytes], timeout_s: float) -> set[bytes]:
+                      keys: Sequence[bytes]) -> set[bytes]:
     """Which of ``keys`` (of any namespace, named by its ranks' fingerprints) the tier holds, asked
-    as a process outside the engine would: no pins, no lock taken, an answer within about
-    ``timeout_s``. A tier module may answer it itself (``held_from_outside``); otherwise its index
-    is asked."""
-    import time
-
-    own = getattr(importlib.import_module(spec.module), "held_from_outside", None)
-    if own is not None:
-        return own(spec, slot_bytes, rank_fingerprints, keys)
-    index = make_index(spec, slot_bytes, rank_fingerprints)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while (found := index.lookup(keys, "outside")) is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return {key for key, hit in zip(keys, found or []) if hit}
-    finally:
-        index.close()
+    as a process outside the engine would: no pins, no lock taken, within the tier's own timeout.
+    A tier module that cannot be asked so (no ``held_from_outside``) holds none, as far as it tells."""
+    held = getattr(importlib.import_module(spec.module), "held_from_outside", None)
+    return held(spec, slot_bytes, rank_fingerprints, keys) if held is not None else set()

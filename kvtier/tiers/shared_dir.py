@@ -55,18 +55,20 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
     size = HEADER_BYTES + slot_bytes
 
     def exists(keys: list[bytes]) -> list[bool]:
-        found = []
-        for key in keys:  # a block counts only if every rank's entry is there, whole
-            found.append(all(_size(entry_path(root, fp, key)) == size for fp in rank_fingerprints))
-        return found
+        return [_whole(root, size, rank_fingerprints, key) for key in keys]
 
     return ExistenceIndex(spec.name, exists, spec.timeout_s)
+
+
+def _whole(root: Path, size: int, rank_fingerprints: Sequence[bytes], key: bytes) -> bool:
+    """A block counts only if every rank's entry is there, whole."""
+    return all(_size(entry_path(root, fp, key)) == size for fp in rank_fingerprints)
 
 
 def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes],
                       keys: Sequence[bytes]) -> set[bytes]:
     root, size = Path(_directory_and_bound(spec.location)[0]), HEADER_BYTES + slot_bytes
-    return {key for key in keys if all(_size(entry_path(root, fp, key)) == size for fp in rank_fingerprints)}
+    return {key for key in keys if _whole(root, size, rank_fingerprints, key)}
 
 
 def write_record(spec: TierSpec, record: dict) -> bool:

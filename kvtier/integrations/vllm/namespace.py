@@ -34,16 +34,8 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     is_mla = isinstance(spec, MLAAttentionSpec)
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
-    namespace = Namespace(
-        model=config.model_id or _model_name(str(vllm_config.model_config.model)),
-        kv_dtype=str(spec.dtype),
-        layout="mla" if is_mla else "kv",
-        geometry=(spec.head_size,) if is_mla else (spec.num_kv_heads, spec.head_size),
-        num_layers=len(layer_names),
-        block_size=spec.block_size,
-        tp_size=parallel.tensor_parallel_size,
-        weights=_weights(vllm_config.model_config),
-    )
+    namespace = _namespace(config, vllm_config.model_config, spec.dtype, is_mla, spec.num_kv_heads, spec.head_size,
+                           len(layer_names), spec.block_size, parallel.tensor_parallel_size)
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
                           parallel.world_size)
@@ -62,16 +54,22 @@ def offline_namespace(model: str, engine_args: dict, config: KVTierConfig) -> Na
     else:
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
         kv_dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config)
-    is_mla = bool(getattr(model_config, "use_mla", False))
-    head_size = model_config.get_head_size()
+    return _namespace(config, model_config, kv_dtype, bool(getattr(model_config, "use_mla", False)),
+                      model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
+                      model_config.get_num_layers(parallel), cache.block_size, parallel.tensor_parallel_size)
+
+
+def _namespace(config: KVTierConfig, model_config, kv_dtype, is_mla: bool, num_kv_heads: int, head_size: int,
+               num_layers: int, block_size: int, tp_size: int) -> Namespace:
+    """The one place both the running connector and ``kvtier doctor`` make a namespace."""
     return Namespace(
-        model=config.model_id or _model_name(model),
+        model=config.model_id or _model_name(str(model_config.model)),
         kv_dtype=str(kv_dtype),
         layout="mla" if is_mla else "kv",
-        geometry=(head_size,) if is_mla else (model_config.get_num_kv_heads(parallel), head_size),
-        num_layers=model_config.get_num_layers(parallel),
-        block_size=cache.block_size,
-        tp_size=parallel.tensor_parallel_size,
+        geometry=(head_size,) if is_mla else (num_kv_heads, head_size),
+        num_layers=num_layers,
+        block_size=block_size,
+        tp_size=tp_size,
         weights=_weights(model_config),
     )
 

@@ -176,8 +176,7 @@ class SchedulerSide:
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
-            self.manager.count_miss(reason, missed - counted, request.all_token_ids[:request.num_tokens],
-                                    hit_tokens, state.extra_keys)
+            self.manager.count_miss(reason, missed - counted, request.all_token_ids, hit_tokens, state.extra_keys)
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
