@@ -19,6 +19,7 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {}), "KVT_TEST_RUN": marker})
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # kept for a failing test's reader
     left = survivors(marker)
     assert not left, f"processes of run {name} outlived it: {left}"
     if expect_failure:
