@@ -158,7 +158,8 @@ KEYS: dict[str, _Key] = {
         "shared directory (file:///mnt/kv, optional ?max_bytes=100GiB); null for none."),
     "remote_timeout_s": _Key(
         2.0, _parse_float, lambda v: 0 < v <= 600, "a number of seconds in (0, 600]",
-        "Longest wait for one call to the pool; a slower or failed call marks it down."),
+        "Longest wait for one call to the pool; a slower or failed call marks it down, and a read still in "
+        "flight then is cut (Redis; a Mooncake call cannot be, and its load is given up at load_timeout_s)."),
     "remote_retry_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "How long the pool is skipped after a failure before kvtier reconnects."),

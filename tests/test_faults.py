@@ -135,7 +135,8 @@ def test_kvtier_serve_redis_is_bounded_and_entries_expire(tmp_path):
 def test_an_existence_check_past_its_deadline_marks_the_pool_down_at_once(tmp_path):
     """The pool answers, but a byte every 0.3 s (each socket read within the client's 0.5 s
     timeout, the whole answer 2.4 s): the lookup is a miss at ``remote_timeout_s``, and the
-    pool is down from that moment, not from the late answer; checks waiting at once are capped."""
+    pool is down from that moment, once, not from the late answer (the check is cut there);
+    checks waiting at once are capped."""
     from kvtier.tiers import redis as redis_tier
     from tests.e2e.relay import Relay
 
@@ -149,7 +150,8 @@ def test_an_existence_check_past_its_deadline_marks_the_pool_down_at_once(tmp_pa
             time.sleep(0.01)
         waited = time.monotonic() - began
         assert answer == [False, False] and 0.5 <= waited < 1.5
-        assert not index.client.available and index.num_overdue == 1 and index.stats()["down"] == 1
+        # Found overdue by the lookup or cut by the client's watchdog, whichever came first: one outage.
+        assert not index.client.available and index.stats()["down"] == 1
         assert index.lookup(keys_of([3]), "next") is None
         time.sleep(0.05)
         assert index.lookup(keys_of([3]), "next") == [False]  # down: answered at once
@@ -401,6 +403,32 @@ def test_a_pool_call_past_its_deadline_marks_the_pool_down_before_it_returns(tmp
         assert time.monotonic() - began < 0.2 and not guarded.available and guarded.num_failures == 1
         slow.join(30)
         assert guarded.calls_in_flight == 0
+        relay.close()
+
+
+def test_a_pool_read_that_trickles_in_is_cut_at_its_deadline(tmp_path):
+    """Redis passes a load's answer on a chunk every 0.3 s: each socket read is inside the
+    client's 0.5 s timeout, and the whole 4 MiB answer would take about 20 s. The read is cut
+    at ``remote_timeout_s`` instead: it fails within seconds, the pool is down (one outage),
+    and no call is left inside the client."""
+    from kvtier.tiers.pool import GuardedClient
+    from kvtier.tiers.redis import RedisClient
+    from tests.e2e.relay import Relay
+
+    value = os.urandom(4 << 20)
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        RedisClient(server.url, 5.0)._client.set("kvtier/big", value)
+        relay = Relay(("127.0.0.1", server.port), arm_on=b"\r\nGET\r\n", delay_s=0.3)
+        url = f"redis://127.0.0.1:{relay.port}/0"
+        guarded = GuardedClient(url, lambda: RedisClient(url, 0.5), timeout_s=0.5, retry_s=0.5)
+        assert guarded.call("exists", ["kvtier/big"]) == [True]  # connected before the relay arms
+        header, payload = bytearray(64), bytearray(len(value) - 64)
+        began = time.monotonic()
+        assert guarded.call("get_into", ["kvtier/big"], [memoryview(header)], [memoryview(payload)]) is None
+        assert time.monotonic() - began < 5.0  # cut, not trickled to its end
+        assert guarded.num_cut == 1 and guarded.num_failures == 1 and guarded.calls_in_flight == 0
+        assert not guarded.available
+        guarded.close()
         relay.close()
 
 

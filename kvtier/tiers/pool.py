@@ -63,6 +63,9 @@ class PoolClient(ABC):
     def register(self, address: int, num_bytes: int) -> None:
         """Offer host memory for zero-copy transfers (a no-op where unsupported)."""
 
+    def abort(self) -> None:
+        """Make the calls in flight fail now, from another thread (a no-op where a call cannot be cut)."""
+
     def close(self) -> None:
         return None
 
@@ -78,11 +81,17 @@ class _Lease:
         self.client, self.calls, self.retired = client, 0, False
 
 
+READS = ("exists", "get_into")  # what a request waits on: cut at timeout_s (a write only holds its slots)
+
+
 class GuardedClient:
     """A pool client behind a circuit breaker. Thread-safe.
 
     At most ``max_calls`` calls are inside the client at once: a pool that hangs holds
-    that many threads, and every call past them is a miss at once, never a queue."""
+    that many threads, and every call past them is a miss at once, never a queue. A read
+    still in flight at ``timeout_s`` is cut there (where the client can cut a call): a pool
+    that trickles its answer in keeps each socket read inside the client's own timeout,
+    so without this one read could last many times ``timeout_s``."""
 
     def __init__(self, url: str, connect: Callable[[], PoolClient], timeout_s: float, retry_s: float,
                  max_calls: int = 8):
@@ -103,6 +112,11 @@ class GuardedClient:
         self.num_failures = 0
         self.last_error = ""  # why the pool was last marked down (passwords redacted)
         self.num_refused = 0  # calls turned away because max_calls were in flight
+        self.num_cut = 0  # reads cut at timeout_s
+        self._reads: dict[int, tuple[float, _Lease]] = {}  # read in flight -> (its deadline, its lease)
+        self._read_started = threading.Condition(self._lock)
+        self._watchdog: threading.Thread | None = None
+        self._closed = False
 
     @property
     def available(self) -> bool:
@@ -169,7 +183,7 @@ class GuardedClient:
         """Skip the pool for ``retry_s`` and retire its client (closed when its last call leaves)."""
         with self._lock:
             was_up = self.available
-            self.num_failures += 1
+            self.num_failures += was_up  # outages: a call that fails while the pool is down is no new one
             self.last_error = redact(error)
             self._down_until = time.monotonic() + self.retry_s
             lease, self._lease = self._lease, None  # the next call after the pause reconnects
@@ -205,20 +219,63 @@ class GuardedClient:
             return None
         try:
             began = self._started[call_id] = time.monotonic()
+            if method in READS:
+                self._watch(call_id, began + self.timeout_s, lease)
             result = getattr(lease.client, method)(*args)
             elapsed = time.monotonic() - began
             if elapsed > self.timeout_s:  # answered, but too slowly to keep using for now
                 self.mark_down(PoolUnavailable(f"{method} took {elapsed:.2f} s"))
             return result
         except Exception as error:  # any client error is a failed call: fall back, never crash
-            self.mark_down(error)
+            if not lease.retired:  # a retired client's error (one cut, one already failed) is no news
+                self.mark_down(error)
             return None
         finally:
             self._started.pop(call_id, None)
+            if method in READS:
+                with self._lock:
+                    self._reads.pop(call_id, None)
             self._release(lease)
+
+    def _watch(self, call_id: int, deadline: float, lease: _Lease) -> None:
+        with self._lock:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._cut_overdue_reads, daemon=True,
+                                                  name="kvtier-pool-watchdog")
+                self._watchdog.start()
+            if not self._reads:
+                self._read_started.notify()  # the watchdog waits for no deadline: this is its next
+            self._reads[call_id] = (deadline, lease)
+
+    def _cut_overdue_reads(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = {id(lease): lease for deadline, lease in self._reads.values() if deadline <= now}
+                if not due:
+                    # Deadlines only grow (each is its call's start + timeout_s): the oldest is next.
+                    next_deadline = min((deadline for deadline, _ in self._reads.values()), default=None)
+                    self._read_started.wait(None if next_deadline is None else next_deadline - now)
+                    continue
+                self._reads = {c: entry for c, entry in self._reads.items() if id(entry[1]) not in due}
+                news = any(not lease.retired for lease in due.values())  # else the pool is down already
+            # Down first, so that the cut calls' errors find their client retired and no new
+            # call gets it; then the cut, outside the lock (it closes sockets).
+            if news:
+                self.mark_down(PoolUnavailable(f"a read in flight past {self.timeout_s:.2f} s, cut"))
+            for lease in due.values():
+                self.num_cut += 1
+                try:
+                    lease.client.abort()
+                except Exception as error:  # the call then ends at the client's own timeout
+                    logger.debug("kvtier: cutting a pool read failed: %s", error)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            self._read_started.notify()
             lease, self._lease = self._lease, None
             close = lease is not None and lease.calls == 0
             if lease is not None:

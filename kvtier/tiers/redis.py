@@ -86,5 +86,13 @@ class RedisClient(PoolClient):
             found.append(True)
         return found
 
+    def abort(self) -> None:
+        # Closes the sockets of the connections in use too (redis-py's way to cut calls in other
+        # threads): each call in flight fails with a connection error at once.
+        if hasattr(self._client, "disconnect_connection_pools"):
+            self._client.disconnect_connection_pools()
+        else:
+            self._client.connection_pool.disconnect(inuse_connections=True)
+
     def close(self) -> None:
         self._client.close()
