@@ -14,11 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvtier.config import KVTierConfig
+from kvtier.ledger import Ledger
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.base import TierIndex
 from kvtier.tiers.host import HostPoolIndex
@@ -86,67 +87,18 @@ class TierManager:
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
-        # What each index says became loadable from it or stopped being, and why. Drained into
-        # ``_gone`` (why a key that was somewhere is not any more: the reason of a later miss)
-        # and, for KV events, into what ``take_holdings`` returns.
-        self._holdings: list = []
-        for index in [self.host, *self.tiers]:
-            index.holdings = self._holdings
-        self._events_out: list | None = [] if track_holdings else None
-        self._gone: OrderedDict[bytes, str] = OrderedDict()  # key -> "evicted_<tier>" or "damaged"
-        self.max_gone = 200_000
-        self.misses: Counter = Counter()  # reason -> prompt tokens missed for it (the first missed block's)
-        self.block_tokens = config.block_size or 0  # tokens per block (the engine's), for load-time misses
-        self.load_misses: dict[str, int] = {}  # req_id -> tokens counted as missed when its load failed
-        # Tells a block held under another instance's namespace from one never stored, off this
-        # thread (``kvtier.namespaces.ForeignProbe``); its answers are counted as they come.
-        self.probe = None
-
-    def count_miss(self, reason: str, tokens: int, token_ids=None, token: int = 0, extra_keys=()) -> None:
-        """Count ``tokens`` missed for ``reason``; a block never stored here (``token_ids``'
-        block at position ``token``) is first looked for under the other recorded namespaces."""
-        if reason == "never_stored" and token_ids is not None and self.probe is not None \
-                and self.probe.submit(token_ids, token, extra_keys, tokens):
-            return  # counted when the probe answers
-        self.misses[reason] += tokens
-
-    def _count_probed(self) -> None:
-        if self.probe is not None:
-            for reason, tokens in self.probe.take():
-                self.misses[reason] += tokens
-
-    def take_holdings(self) -> list[tuple[str, str, bytes]]:
-        """What became loadable from each tier, and what stopped being, since the last call
-        (with ``track_holdings``)."""
-        self._absorb()
-        taken, self._events_out = self._events_out or [], [] if self._events_out is not None else None
-        return taken
-
-    def _absorb(self) -> None:
-        self._count_probed()
-        if not self._holdings:
-            return
-        for kind, tier, key in self._holdings:
-            if kind == "stored":
-                self._gone.pop(key, None)
-            else:
-                self._gone[key] = "damaged" if kind == "damaged" else f"evicted_{tier}"
-                self._gone.move_to_end(key)
-        while len(self._gone) > self.max_gone:
-            self._gone.popitem(last=False)
-        if self._events_out is not None:
-            self._events_out += self._holdings
-        self._holdings.clear()  # the same list object: every index appends to it
+        # Misses by reason, and what each index gained and lost (for KV events and miss reasons).
+        self.ledger = Ledger([self.host, *self.tiers], config.block_size or 0, track_holdings)
 
     def miss_reason(self, key: bytes, token: str | None = None) -> str:
         """Why ``key`` (the first block a lookup did not find) is not loadable: the tier that
         evicted it, a damaged entry, a pool that was down or slow, no free host slot, or never
         stored (or stored under another namespace, which looks the same from here)."""
-        self._absorb()
         if token is not None and token in self._slot_limited:
             return "no_free_host_slot"
-        if key in self._gone and not self.host.contains(key):
-            return self._gone[key]
+        gone = self.ledger.gone(key)
+        if gone is not None and not self.host.contains(key):
+            return gone
         if token is not None and any(getattr(tier, "unanswered", lambda t: False)(token) for tier in self.tiers):
             return "pool_down_or_slow"
         return "never_stored"
@@ -233,7 +185,7 @@ class TierManager:
         self._promised.pop(token, None)
         self._waiting_since.pop(token, None)
         self._slot_limited.discard(token)
-        self.load_misses.pop(token, None)
+        self.ledger.forget(token)
         for tier in self.tiers:
             tier.forget(token)
 
@@ -321,7 +273,7 @@ class TierManager:
                 del self._pending[report.job_id]
                 self._complete(pending)
                 completed.append(report.job_id)
-        self._absorb()  # every step with reports: the indexes' log never grows past a step's worth
+        self.ledger.absorb()  # every step with reports: the indexes' log never grows past a step's worth
         return completed
 
     def on_released(self, slot_ids: Sequence[int]) -> None:
@@ -339,8 +291,7 @@ class TierManager:
         return len(self._held)
 
     def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
+        self.ledger.close()
         for tier in self.tiers:
             tier.close()
 
@@ -388,9 +339,7 @@ class TierManager:
         if failed_reads:
             abandoned = any(r.held_slot_ids for r in reports)
             reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
-            self.misses[reason] += failed_reads * self.block_tokens
-            # The engine looks the request up again to recompute: those tokens are counted already.
-            self.load_misses[job.req_id] = self.load_misses.get(job.req_id, 0) + failed_reads * self.block_tokens
+            self.ledger.count_failed_load(job.req_id, reason, failed_reads)
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)
         held: Counter = Counter(slot for r in reports for slot in r.held_slot_ids)

@@ -362,11 +362,11 @@ def test_the_holdings_log_tells_what_each_tier_gained_and_lost(disk_dir):
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=4, disk_blocks=6, track_holdings=True)
     engine.store(keys_of([1, 2, 3, 4]), [1, 2, 3, 4])
-    assert sorted(engine.manager.take_holdings()) == sorted(
+    assert sorted(engine.manager.ledger.take_holdings()) == sorted(
         [("stored", "host", k) for k in keys_of([1, 2, 3, 4])] + [("stored", "disk", k) for k in keys_of([1, 2, 3, 4])])
-    assert engine.manager.take_holdings() == []  # drained
+    assert engine.manager.ledger.take_holdings() == []  # drained
     engine.store(keys_of([5, 6, 7]), [5, 6, 7])  # host: 1, 2, 3 evicted; disk: 1 evicted (6 places)
-    taken = engine.manager.take_holdings()
+    taken = engine.manager.ledger.take_holdings()
     assert sorted(k for kind, tier, k in taken if (kind, tier) == ("evicted", "host")) == keys_of([1, 2, 3])
     assert [k for kind, tier, k in taken if (kind, tier) == ("evicted", "disk")] == keys_of([1])
     assert sorted(k for kind, tier, k in taken if kind == "stored") == sorted(keys_of([5, 6, 7]) * 2)
@@ -374,7 +374,7 @@ def test_the_holdings_log_tells_what_each_tier_gained_and_lost(disk_dir):
     quiet = Engine(tensors, disk_dir + "-quiet", host_blocks=2, disk_blocks=4)
     for i in range(20):
         quiet.store(keys_of([100 + i]), [1])
-    assert quiet.manager._holdings == [] and quiet.manager.take_holdings() == []
+    assert quiet.manager.ledger.holdings == [] and quiet.manager.ledger.take_holdings() == []
     quiet.close()
     # Why a later lookup misses them: 1 is on no tier any more (the disk evicted it last).
     assert engine.manager.miss_reason(keys_of([1])[0]) == "evicted_disk"

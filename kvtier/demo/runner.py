@@ -84,7 +84,7 @@ def kvtier_state(llm) -> dict:
         **{f"hit_tokens_{tier}": scheduler.hit_tokens[tier]
            for tier in ["host", *(t.name for t in manager.tiers)]},
         "miss_tokens": scheduler.miss_tokens,
-        "misses": dict(manager.misses),
+        "misses": dict(manager.ledger.misses),
         "host_pins": manager.host.num_pins,
         "host_used": manager.host.num_used,
         "host_slots": manager.host.num_slots,

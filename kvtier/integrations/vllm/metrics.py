@@ -130,7 +130,7 @@ class StatsTracker:
             **{f"evictions|{tier.name}": tier.stats()["evictions"] for tier in manager.tiers
                if "evictions" in tier.stats()},
             **{f"down|{tier.name}": tier.stats()["down"] for tier in manager.tiers if "down" in tier.stats()},
-            **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.misses.items()},
+            **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.ledger.misses.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         if not any(deltas.values()):

@@ -73,7 +73,7 @@ class SchedulerSide:
         fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
                                    track_holdings=self.kv_events)
-        self.manager.block_tokens = self.block_size
+        self.manager.ledger.block_tokens = self.block_size
         if self.kv_events:
             from kvtier.integrations.vllm.events import DiskJournal, KVEvents
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
@@ -82,9 +82,8 @@ class SchedulerSide:
         # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
         # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
         from kvtier.namespaces import ForeignProbe, record_of
-        self.manager.probe = ForeignProbe(self.manager.specs, record_of(self.geometry.namespace, fingerprints,
-                                                                        self.geometry.slot_bytes),
-                                          self.config.remote_timeout_s)
+        record = record_of(self.geometry.namespace, fingerprints, self.geometry.slot_bytes)
+        self.manager.ledger.probe = ForeignProbe(self.manager.specs, record, self.config.remote_timeout_s)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
                     [tier.name for tier in self.manager.tiers] or "none", metadata[0].layout)
 
@@ -170,13 +169,13 @@ class SchedulerSide:
         missed = request.num_tokens - hit_tokens
         self.miss_tokens += missed
         # A lookup after a failed load (vLLM recomputes) is not counted twice under a reason.
-        counted = self.manager.load_misses.pop(request.request_id, 0)
+        counted = self.manager.ledger.load_misses.pop(request.request_id, 0)
         if missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self._full_keys(state, request.num_tokens)
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
-            self.manager.count_miss(reason, missed - counted, request.all_token_ids, hit_tokens, state.extra_keys)
+            self.manager.ledger.count(reason, missed - counted, request.all_token_ids, hit_tokens, state.extra_keys)
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
@@ -279,7 +278,7 @@ class SchedulerSide:
         if self._events is None or self.manager is None:
             return []
         return (self._events.announce_journal(self.block_size)  # what the disk held at start, a batch a step
-                + self._events.events(self.manager.take_holdings(), self.block_size))
+                + self._events.events(self.manager.ledger.take_holdings(), self.block_size))
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)
