@@ -160,3 +160,106 @@ def test_a_damaged_pool_entry_is_not_offered_again(tmp_path):
         assert reader.lookup(keys_of([1, 2]), token="again") == 0  # ...but is no longer offered
         writer.close()
         reader.close()
+
+
+def test_redis_gets_fill_their_buffers_byte_exact_whatever_the_pool_holds(tmp_path):
+    """Values are read off the socket straight into their header and slot: every size, and every
+    kind of miss in one batch (absent, shorter, longer, another type) leaves the reply in step."""
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtier.tiers.redis import RedisClient
+
+    kinds = st.sampled_from(["whole", "absent", "shorter", "longer", "list"])
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        client = RedisClient(server.url, 5.0, ttl_s=60)
+
+        @settings(max_examples=40, deadline=None)
+        @given(st.lists(st.tuples(kinds, st.integers(0, 300_000)), min_size=1, max_size=10), st.integers(0, 2**32))
+        def check(entries, seed):
+            rng = np.random.default_rng(seed)
+            client._client.flushdb()
+            names = [f"t/{i}" for i in range(len(entries))]
+            headers = [rng.integers(0, 256, HEADER_BYTES, dtype=np.uint8) for _ in entries]
+            payloads = [rng.integers(0, 256, size, dtype=np.uint8) for _, size in entries]
+            whole = [i for i, (kind, _) in enumerate(entries) if kind == "whole"]
+            assert client.put([names[i] for i in whole], [memoryview(headers[i]) for i in whole],
+                              [memoryview(payloads[i]) for i in whole]) == [True] * len(whole)
+            for name, (kind, size), header in zip(names, entries, headers):
+                value = bytes(header) + bytes(size)
+                if kind in ("shorter", "longer"):
+                    client._client.set(name, value[:-1] if kind == "shorter" else value + b"x")
+                elif kind == "list":
+                    client._client.rpush(name, value)
+            into = [(np.zeros(HEADER_BYTES, np.uint8), np.zeros(size, np.uint8)) for _, size in entries]
+            found = client.get_into(names, [memoryview(h) for h, _ in into], [memoryview(p) for _, p in into])
+            assert found == [kind == "whole" for kind, _ in entries]
+            for i in whole:
+                assert np.array_equal(into[i][0], headers[i]) and np.array_equal(into[i][1], payloads[i])
+            assert client.exists(names) == [kind != "absent" for kind, _ in entries]  # the connection is in step
+            assert all(0 < client._client.pttl(names[i]) <= 60_000 for i in whole)  # remote_ttl_s applied
+
+        check()
+        client.close()
+
+
+def _mooncake_entries(server):
+    from kvtier.tiers.mooncake import MooncakeClient
+
+    writer = Instance(server.url)
+    writer.run(writer.manager.plan_store("a", keys_of(range(4)), [1, 2, 3, 4]), writer.worker.submit_store)
+    raw = MooncakeClient(server.url, 5.0)
+    return writer, raw, [pool_key(writer.worker.rank_fingerprint, k) for k in keys_of(range(4))]
+
+
+def test_mooncake_entries_damaged_truncated_or_foreign_are_misses(tmp_path):
+    import numpy as np
+
+    with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
+        writer, raw, names = _mooncake_entries(server)
+        store = raw._store
+        block = np.zeros(writer.worker.layout.slot_bytes, np.uint8)
+        header = np.zeros(HEADER_BYTES, np.uint8)
+        store.register_buffer(block.ctypes.data, block.nbytes)
+        store.register_buffer(header.ctypes.data, header.nbytes)
+        assert store.get_into(f"{names[0]}/kv", block.ctypes.data, block.nbytes) == block.nbytes
+        good = block.copy()
+        block[5] ^= 0xFF  # garbage in the block
+        assert store.remove(f"{names[0]}/kv", True) == 0  # forced: the get above holds a lease
+        assert store.put_from(f"{names[0]}/kv", block.ctypes.data, block.nbytes) == 0
+        assert store.remove(f"{names[1]}/kv") == 0  # truncated
+        assert store.put_from(f"{names[1]}/kv", block.ctypes.data, block.nbytes // 2) == 0
+        header[:] = np.frombuffer(encode_header(b"\x99" * 16, keys_of([2])[0], good), np.uint8)
+        assert store.upsert_from(f"{names[2]}/header", header.ctypes.data, header.nbytes) == 0  # another model's
+        reader = Instance(server.url)
+        assert reader.lookup(keys_of(range(4))) == 4
+        report = reader.run(reader.manager.plan_load("r", keys_of(range(4)), [10, 11, 12, 13]),
+                            reader.worker.submit_load)
+        assert sorted(report.failed_block_ids) == [10, 11, 12]
+        assert reader.manager.stats.bad_entries == 3 and reader.manager.host.num_pins == 0
+        for w, r in zip(writer.tensors, reader.tensors):
+            assert torch.equal(w[4].view(torch.int16), r[13].view(torch.int16))
+        for instance in (writer, reader):
+            instance.close()
+        raw.close()
+
+
+def test_a_mooncake_header_whose_block_was_evicted_gives_way_to_the_next_write(tmp_path):
+    with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
+        writer, raw, names = _mooncake_entries(server)
+        assert raw._store.remove(f"{names[0]}/kv") == 0  # as eviction would: the header is left
+        other = Instance(server.url)  # other bytes for the same keys
+        assert other.lookup(keys_of(range(4))) == 0  # a block counts only with both of its objects
+        report = other.run(other.manager.plan_store("b", keys_of([0]), [7]), other.worker.submit_store)
+        assert report.success and not report.failed_writes
+        reader = Instance(server.url)
+        assert reader.lookup(keys_of([0])) == 1
+        report = reader.run(reader.manager.plan_load("r", keys_of([0]), [20]), reader.worker.submit_load)
+        assert report.success
+        for o, w, r in zip(other.tensors, writer.tensors, reader.tensors):
+            assert torch.equal(o[7].view(torch.int16), r[20].view(torch.int16))
+            assert not torch.equal(w[1].view(torch.int16), r[20].view(torch.int16))
+        for instance in (writer, other, reader):
+            instance.close()
+        raw.close()

@@ -105,7 +105,8 @@ def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> 
 def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repeats: int = 3) -> dict:
     payload = _blocks(max(1, (mib << 20) // slot_bytes), slot_bytes)
     results = {"bytes": payload.nbytes, "slot_bytes": slot_bytes}
-    for name, context in (("mooncake", lambda: local_mooncake(storage="4GB")), ("redis", local_redis)):
+    for name, context in (("mooncake", lambda: local_mooncake(storage="8GB")),
+                          ("redis", lambda: local_redis(maxmemory="4gb"))):  # every round kept: no eviction
         with context() as server:
             tier_put, tier_get = _tier_round_trip(server.url, payload, batch, repeats)
             raw_put, raw_get = _raw_round_trip(server.url, payload, batch, repeats)

@@ -4,7 +4,9 @@
 ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` as query parameters, as the
 ``redis`` client takes them), and ``redis+cluster://host:port`` (or
 ``rediss+cluster://``) for Redis Cluster. Batches are pipelined: one round trip
-per batch of reads or writes.
+per batch of reads or writes. A write sends each entry's header and the host slot
+itself as the one value of its ``SET`` (no copy of the block in this process;
+Redis Cluster, which routes each key, gets a joined copy through its pipeline).
 
 A write the server refuses (``OOM`` at ``maxmemory`` under ``noeviction``) fails
 that entry alone: the pool stays up for reads and for the writes that fit. Entries
@@ -48,7 +50,8 @@ class RedisClient(PoolClient):
         self._ttl_ms = int(ttl_s * 1000) or None
         parsed = urlparse(url)
         options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        if parsed.scheme.endswith("+cluster"):
+        self._cluster = parsed.scheme.endswith("+cluster")
+        if self._cluster:
             from redis.cluster import RedisCluster
 
             plain = urlunparse(parsed._replace(scheme=parsed.scheme.replace("+cluster", "")))
@@ -64,6 +67,8 @@ class RedisClient(PoolClient):
         return [bool(found) for found in pipe.execute()]
 
     def put(self, names, headers, payloads) -> list[bool]:
+        if not self._cluster:
+            return self._put_gathered(names, headers, payloads)
         pipe = self._client.pipeline(transaction=False)
         for name, header, payload in zip(names, headers, payloads):
             pipe.set(name, b"".join((header, payload)), px=self._ttl_ms)  # one value: whole or absent
@@ -71,7 +76,39 @@ class RedisClient(PoolClient):
         # the pool is not failed for it. A broken connection still raises, and fails the call.
         return [ok is True for ok in pipe.execute(raise_on_error=False)]
 
+    def _put_gathered(self, names, headers, payloads) -> list[bool]:
+        """The batch's ``SET``s on one connection, each value sent from its header and its slot
+        as they lie: redis-py's packing would first copy every block into one bytes object."""
+        if not names:
+            return []
+        chunks, tail = [], b""
+        for name, header, payload in zip(names, headers, payloads):
+            value_bytes = len(header) + len(payload)
+            chunks += [_set_prefix(tail, name.encode(), value_bytes, self._ttl_ms) + bytes(header), payload]
+            tail = _set_suffix(self._ttl_ms)
+        return self._exchange(chunks + [tail], lambda connection: [_stored(connection) for _ in names])
+
+    def _exchange(self, command: list, receive):
+        """Send ``command`` (RESP, in pieces) on a connection of the client's own pool (its password,
+        TLS and timeouts), then ``receive(connection)`` the replies."""
+        if not command:
+            return []
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(command, check_health=False)
+            return receive(connection)
+        except BaseException:
+            connection.disconnect()  # replies may be left unread: the connection is out of step
+            raise
+        finally:
+            pool.release(connection)
+
     def get_into(self, names, headers, payloads) -> list[bool]:
+        if not self._cluster:
+            command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n) for n in map(str.encode, names))
+            return self._exchange([command] if names else [], lambda connection: _ValueReader(connection).values_into(
+                headers, payloads))
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             pipe.get(name)
@@ -96,3 +133,76 @@ class RedisClient(PoolClient):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _stored(connection) -> bool:
+    import redis
+
+    try:
+        return connection.read_response() in (b"OK", "OK", True)
+    except redis.ResponseError:  # refused (OOM at maxmemory): that entry alone fails
+        return False
+
+
+def _set_prefix(tail: bytes, name: bytes, value_bytes: int, ttl_ms: int | None) -> bytes:
+    """RESP framing of ``SET name <value> [PX ms]`` up to its value, after the previous command's tail."""
+    arguments = 3 if ttl_ms is None else 5
+    return b"%s*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (tail, arguments, len(name), name, value_bytes)
+
+
+def _set_suffix(ttl_ms: int | None) -> bytes:
+    return b"\r\n" if ttl_ms is None else b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
+
+
+class _ValueReader:
+    """The bulk-string replies of a batch of GETs, read off the connection's socket straight into
+    the header and slot each one fills (redis-py's parser would build a bytes object per value,
+    copied once more into the slot). Only the line before each value passes through a buffer."""
+
+    def __init__(self, connection):
+        self.sock = connection._sock
+        self.pending = bytearray()
+
+    def _receive(self) -> None:
+        chunk = self.sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("the connection closed mid-reply")
+        self.pending += chunk
+
+    def _line(self) -> bytes:
+        while (end := self.pending.find(b"\r\n")) < 0:
+            self._receive()
+        line = bytes(self.pending[:end])
+        del self.pending[:end + 2]
+        return line
+
+    def _fill(self, view: memoryview) -> None:
+        used = min(len(view), len(self.pending))  # what the line's read brought along first
+        view[:used] = self.pending[:used]
+        del self.pending[:used]
+        while used < len(view):
+            got = self.sock.recv_into(view[used:])
+            if not got:
+                raise ConnectionError("the connection closed mid-value")
+            used += got
+
+    def values_into(self, headers, payloads) -> list[bool]:
+        return [self.value_into(header, payload) for header, payload in zip(headers, payloads)]
+
+    def value_into(self, header: memoryview, payload: memoryview) -> bool:
+        """The next reply into ``header`` then ``payload``; False if it is absent, an error (a key of
+        another type), or not exactly their length (then it is read past, not kept)."""
+        line = self._line()
+        if line[:1] in (b"-", b"_"):  # an error for this GET alone; RESP3's null
+            return False
+        if line[:1] != b"$":
+            raise ConnectionError(f"unexpected reply {line[:16]!r}")
+        length = int(line[1:])
+        if length < 0:  # RESP2's null: no such key
+            return False
+        fits = length == len(header) + len(payload)
+        for view in ((header, payload) if fits else (memoryview(bytearray(length)),)):
+            self._fill(memoryview(view).cast("B"))
+        if self._line():
+            raise ConnectionError("a value longer than its length")
+        return fits
