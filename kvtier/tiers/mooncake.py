@@ -8,9 +8,9 @@
 Zero-copy: the host pool and its header area are registered with the client, and
 entries move with the batch calls that write from and read into them. An entry is
 two objects: its block under ``<name>/kv`` and its header under ``<name>/header``,
-each moved from and into one buffer (``batch_put_from`` / ``batch_get_into``). A get
-of one object per buffer ran at 1.3 to 1.5 times the speed of a get of both into
-their two buffers (``batch_get_into_multi_buffers``) on loopback here.
+each moved from and into one buffer (``batch_put_from`` / ``batch_get_into``). Gets of
+one object per buffer ran at 1.2 to 1.6 times the speed of gets of both into their
+two buffers (``batch_get_into_multi_buffers``) on loopback here.
 
 The block is written first and only by the writer that created it (a put of a name
 already there is refused); its header is written after it, so a block counts as

@@ -5,8 +5,9 @@
 ``redis`` client takes them), and ``redis+cluster://host:port`` (or
 ``rediss+cluster://``) for Redis Cluster. Batches are pipelined: one round trip
 per batch of reads or writes. A write sends each entry's header and the host slot
-itself as the one value of its ``SET`` (no copy of the block in this process;
-Redis Cluster, which routes each key, gets a joined copy through its pipeline).
+itself as the one value of its ``SET``, and a read takes each value off the socket
+straight into its header and slot: no copy of a block in this process. (Redis
+Cluster, which routes each key, goes through redis-py's pipeline and copies.)
 
 A write the server refuses (``OOM`` at ``maxmemory`` under ``noeviction``) fails
 that entry alone: the pool stays up for reads and for the writes that fit. Entries
@@ -67,6 +68,8 @@ class RedisClient(PoolClient):
         return [bool(found) for found in pipe.execute()]
 
     def put(self, names, headers, payloads) -> list[bool]:
+        if not names:
+            return []
         if not self._cluster:
             return self._put_gathered(names, headers, payloads)
         pipe = self._client.pipeline(transaction=False)
@@ -79,8 +82,6 @@ class RedisClient(PoolClient):
     def _put_gathered(self, names, headers, payloads) -> list[bool]:
         """The batch's ``SET``s on one connection, each value sent from its header and its slot
         as they lie: redis-py's packing would first copy every block into one bytes object."""
-        if not names:
-            return []
         chunks, tail = [], b""
         for name, header, payload in zip(names, headers, payloads):
             value_bytes = len(header) + len(payload)
@@ -91,8 +92,6 @@ class RedisClient(PoolClient):
     def _exchange(self, command: list, receive):
         """Send ``command`` (RESP, in pieces) on a connection of the client's own pool (its password,
         TLS and timeouts), then ``receive(connection)`` the replies."""
-        if not command:
-            return []
         pool = self._client.connection_pool
         connection = pool.get_connection()
         try:
@@ -105,10 +104,11 @@ class RedisClient(PoolClient):
             pool.release(connection)
 
     def get_into(self, names, headers, payloads) -> list[bool]:
+        if not names:
+            return []
         if not self._cluster:
             command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n) for n in map(str.encode, names))
-            return self._exchange([command] if names else [], lambda connection: _ValueReader(connection).values_into(
-                headers, payloads))
+            return self._exchange([command], lambda connection: _ValueReader(connection).values_into(headers, payloads))
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             pipe.get(name)
@@ -201,8 +201,13 @@ class _ValueReader:
         if length < 0:  # RESP2's null: no such key
             return False
         fits = length == len(header) + len(payload)
-        for view in ((header, payload) if fits else (memoryview(bytearray(length)),)):
-            self._fill(memoryview(view).cast("B"))
+        if fits:
+            self._fill(memoryview(header).cast("B"))
+            self._fill(memoryview(payload).cast("B"))
+        else:  # read past in pieces: a foreign value may be of any size
+            scratch = memoryview(bytearray(min(length, 1 << 16)))
+            for start in range(0, length, len(scratch)):
+                self._fill(scratch[:min(len(scratch), length - start)])
         if self._line():
             raise ConnectionError("a value longer than its length")
         return fits
