@@ -98,3 +98,66 @@ def test_the_shared_directory_is_made_owner_only(shared):
     path = entry_path(shared, instance.worker.rank_fingerprint, keys_of([1])[0])
     assert os.stat(path).st_mode & 0o777 == 0o600
     instance.close()
+
+
+def _existence_index(shared, slot_bytes, fingerprints):
+    from kvtier.tiers.base import TierSpec
+    from kvtier.tiers.shared_dir import make_index
+    return make_index(TierSpec("file", "kvtier.tiers.shared_dir", f"file://{shared}"), slot_bytes, fingerprints)
+
+
+def test_an_existence_check_is_answered_while_the_engines_thread_never_lets_go_of_the_gil(shared):
+    """vLLM's one-process layout: the engine's busy loop keeps the GIL. With a switch interval of
+    60 s no Python thread could take it during this loop; the stat() calls need none."""
+    import sys
+    import time
+
+    writer = Instance(f"file://{shared}")
+    writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
+    index = _existence_index(shared, writer.worker.layout.slot_bytes, [writer.worker.rank_fingerprint])
+    keys, interval = keys_of([1, 2, 3]), sys.getswitchinterval()
+    while index.lookup(keys, "warm-up") is None:  # whatever threads checks use, they are running now
+        time.sleep(0.001)
+    sys.setswitchinterval(60.0)
+    try:
+        assert index.lookup(keys, "r") is None
+        deadline, found = time.monotonic() + 5.0, None
+        while found is None and time.monotonic() < deadline:  # nothing here lets go of the GIL
+            found = index.lookup(keys, "r")
+    finally:
+        sys.setswitchinterval(interval)
+    assert found == [True, True, False]
+    writer.close()
+
+
+def test_an_existence_check_needs_every_ranks_entry_whole(shared):
+    """Two ranks: a block counts only where both ranks' entries are there at their full size."""
+    import time
+
+    slot_bytes, fingerprints = 1024, [b"\x01" * 16, b"\x02" * 16]
+    keys = keys_of([1, 2, 3, 4])
+    for key, sizes in zip(keys, [(1024, 1024), (1024, None), (1024, 1000), (None, None)]):
+        for fp, size in zip(fingerprints, sizes):
+            if size is not None:
+                path = entry_path(shared, fp, key)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"\x00" * (HEADER_BYTES + size))
+    index = _existence_index(shared, slot_bytes, fingerprints)
+    found = index.lookup(keys, "r")
+    deadline = time.monotonic() + 5.0
+    while found is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+        found = index.lookup(keys, "r")
+    assert found == [True, False, False, False]
+
+
+def test_existence_checks_past_the_cap_are_misses_at_once_never_a_queue(shared):
+    from kvtier._native import stat_batch
+
+    with pytest.raises(BlockingIOError):
+        stat_batch.Sizes([os.fsencode(shared)], 0)
+    index = _existence_index(shared, 1024, [b"\x01" * 16])
+    index._start = lambda keys: stat_batch.Sizes([b"/"] * len(keys), 0)  # as if 64 checks hung on the mount
+    assert index.lookup(keys_of([1, 2]), "r") == [False, False]
+    assert index.unanswered("r") and index.num_refused == 1
+    assert stat_batch.live() == 0

@@ -50,9 +50,10 @@ def _tier(kind: str, workdir: Path):
 
 
 def _raw_file_read(near: Path, blocks: int, size: int, repeats: int = 3) -> float:
-    """Seconds to read ``blocks`` files of ``size`` bytes with plain reads (best of ``repeats``)."""
+    """Seconds to read ``blocks`` files of ``size`` bytes with plain reads (best of ``repeats``), each
+    into a place of its own in one buffer, as the raw pool clients read (and as a load must land them)."""
     payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-    out = np.empty(size, np.uint8)
+    out = np.empty((blocks, size), np.uint8)
     with tempfile.TemporaryDirectory(dir=near, prefix="raw-") as root:
         paths = [os.path.join(root, f"{i:06d}") for i in range(blocks)]
         for path in paths:
@@ -61,9 +62,9 @@ def _raw_file_read(near: Path, blocks: int, size: int, repeats: int = 3) -> floa
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            for path in paths:
+            for path, place in zip(paths, out):
                 with open(path, "rb", buffering=0) as file:
-                    file.readinto(out)
+                    file.readinto(place)
             times.append(time.perf_counter() - began)
     return min(times)
 

@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 UNAVAILABLE = "unavailable: "
@@ -165,15 +165,22 @@ class ExistenceIndex(TierIndex):
     not when the late call returns). At most ``max_pending`` checks wait for an answer;
     lookups past them are misses at once, never a queue. Entries that failed to load are misses for a while, or the
     engine would ask for the same broken entry again and again.
+
+    ``exists(keys)`` runs on a thread of this index. A tier that can ask without Python
+    gives ``start(keys)`` instead: it returns at once an object whose ``done()`` and
+    ``result()`` answer later (``result()`` as ``exists`` would), so no thread here ever
+    waits for the engine's thread to let go of the GIL.
     """
 
     asks_the_tier = True
 
-    def __init__(self, name: str, exists: Callable[[list[bytes]], list[bool] | None], timeout_s: float,
+    def __init__(self, name: str, exists: Callable[[list[bytes]], list[bool] | None] | None, timeout_s: float,
                  failed_ttl_s: float = 30.0, threads: int = 2,
-                 on_overdue: Callable[[str], None] | None = None, max_pending: int = 64):
+                 on_overdue: Callable[[str], None] | None = None, max_pending: int = 64,
+                 start: Callable[[list[bytes]], Any] | None = None):
         self.name = name
         self._exists = exists
+        self._start = start or (lambda keys: self._threads.submit(self._exists, keys))
         self.timeout_s = timeout_s
         self._on_overdue = on_overdue
         self._max_pending = max_pending
@@ -198,7 +205,13 @@ class ExistenceIndex(TierIndex):
                 self.num_refused += 1
                 self._unanswered.add(token)
                 return [False] * len(keys)
-            self._pending[token] = (keys, time.monotonic(), self._threads.submit(self._exists, list(keys)))
+            try:
+                pending = self._start(list(keys))
+            except OSError:  # no check can start now (too many still running): a miss, never a wait
+                self.num_refused += 1
+                self._unanswered.add(token)
+                return [False] * len(keys)
+            self._pending[token] = (keys, time.monotonic(), pending)
             return None
         _, began, future = entry
         if not future.done():

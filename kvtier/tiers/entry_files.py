@@ -22,9 +22,12 @@ _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 
 
+def entry_name(root: str, rank_fingerprint_hex: str, key_hex: str) -> str:
+    return os.path.join(root, rank_fingerprint_hex, key_hex[:2], key_hex)
+
+
 def entry_path(root, rank_fingerprint: bytes, key: bytes) -> Path:
-    key_hex = key.hex()
-    return Path(root) / rank_fingerprint.hex() / key_hex[:2] / key_hex
+    return Path(entry_name(os.fspath(root), rank_fingerprint.hex(), key.hex()))
 
 
 class EntryFiles(TierStore):

@@ -7,7 +7,8 @@ that every instance sees. Entries are files, one per block and rank
 into place), so a reader sees a whole entry or none, and checks it before use.
 
 No instance owns the directory, so the index keeps no list: existence is asked of
-the filesystem off the scheduler's thread (``ExistenceIndex``). ``?max_bytes=100GiB``
+the filesystem off the scheduler's thread, by ``stat()`` calls on a native thread
+that never takes the GIL (``ExistenceIndex``, ``_WholeEntries``). ``?max_bytes=100GiB``
 bounds what this instance's I/O process keeps there: past it, the oldest entries
 (by modification time; a read refreshes it) are deleted down to 90 %. Each instance
 enforces the bound on what it sees, so the directory stays near it, not under it.
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
+from kvtier._native import stat_batch
 from kvtier.entry import HEADER_BYTES
 from kvtier.tiers.base import ExistenceIndex, TierSpec
-from kvtier.tiers.entry_files import EntryFiles, entry_path
+from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 from kvtier.units import parse_bytes
 
 logger = logging.getLogger("kvtier.shared_dir")
@@ -50,14 +52,36 @@ def validate(url: str) -> None:
     _directory_and_bound(url)
 
 
+MAX_CHECKS = 64  # existence checks running at once in a process (a hung mount holds each one)
+
+
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
-    root = Path(_directory_and_bound(spec.location)[0])
-    size = HEADER_BYTES + slot_bytes
+    root = _directory_and_bound(spec.location)[0]
+    fingerprints = [fp.hex() for fp in rank_fingerprints]
+    return ExistenceIndex(spec.name, None, spec.timeout_s, max_pending=MAX_CHECKS,
+                          start=lambda keys: _WholeEntries(root, HEADER_BYTES + slot_bytes, fingerprints, keys))
 
-    def exists(keys: list[bytes]) -> list[bool]:
-        return [_whole(root, size, rank_fingerprints, key) for key in keys]
 
-    return ExistenceIndex(spec.name, exists, spec.timeout_s)
+class _WholeEntries:
+    """One existence check: every rank's entry of each key, stat()ed on a native thread.
+
+    A thread of the scheduler's process would need the GIL after each stat(), and in
+    vLLM's one-process layout the engine's busy loop holds it: such a check took 14 to
+    63 ms for a 3,000-token prompt. This one takes no GIL until the scheduler asks."""
+
+    def __init__(self, root: str, size: int, fingerprints: Sequence[str], keys: Sequence[bytes]):
+        self._size, self._ranks = size, len(fingerprints)
+        paths = [os.fsencode(entry_name(root, fp, key_hex)) for key_hex in (key.hex() for key in keys)
+                 for fp in fingerprints]
+        self._sizes = stat_batch.Sizes(paths, MAX_CHECKS)
+
+    def done(self) -> bool:
+        return self._sizes.done()
+
+    def result(self) -> list[bool]:
+        """A block counts only if every rank's entry is there, whole."""
+        sizes = self._sizes.sizes()
+        return [all(s == self._size for s in sizes[i:i + self._ranks]) for i in range(0, len(sizes), self._ranks)]
 
 
 def _whole(root: Path, size: int, rank_fingerprints: Sequence[bytes], key: bytes) -> bool:
