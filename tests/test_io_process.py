@@ -136,7 +136,7 @@ def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(dis
             os.kill(pid, signal.SIGKILL)
             assert _wait_until(lambda: io.disabled or (io.ready and io.pid != pid), 30)
     assert io.disabled
-    assert sum("are off in this worker" in r.message for r in caplog.records) == 1
+    assert sum("are off in this process" in r.message for r in caplog.records) == 1
     reports = engine.store(keys_of([1]), [1])  # the host pool still works; the write fails at once
     assert reports[0].success and reports[0].failed_writes == {"disk": keys_of([1])}
     engine.close()

@@ -1,6 +1,7 @@
 """The storage-pool tiers against a real redis-server and a real mooncake_master, on loopback."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,43 @@ def test_a_mooncake_header_whose_block_was_evicted_gives_way_to_the_next_write(t
         for instance in (writer, other, reader):
             instance.close()
         raw.close()
+
+
+def answer_holding_the_gil(index, keys):
+    """An existence index's answer, asked by a thread that never lets go of the GIL (as vLLM's busy
+    loop in its one-process layout): with a switch interval of 60 s no other thread of this
+    process can take it meanwhile. First asked once normally, so that whatever threads the
+    index's checks use are running."""
+    import sys
+
+    while index.lookup(keys, "warm-up") is None:
+        time.sleep(0.001)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        assert index.lookup(keys, "r") is None
+        deadline, found = time.monotonic() + 5.0, None
+        while found is None and time.monotonic() < deadline:  # nothing here lets go of the GIL
+            found = index.lookup(keys, "r")
+    finally:
+        sys.setswitchinterval(interval)
+    return found
+
+
+def test_a_pool_existence_check_is_answered_while_the_engines_thread_never_lets_go_of_the_gil():
+    """vLLM's one-process layout: the engine's busy loop keeps the GIL. With a switch interval of
+    60 s no thread of this process could take it during this loop: the index asks through its
+    lookup process, and this thread takes the answer when a shared count says it is there."""
+    import redis
+
+    from kvtier.tiers import redis as redis_tier
+
+    fp = b"\x01" * 16
+    with local_redis() as server:
+        index = redis_tier.make_index(TierSpec("redis", "kvtier.tiers.redis", server.url, timeout_s=2.0), 64, [fp])
+        keys = keys_of([1, 2])
+        redis.Redis.from_url(server.url).set(pool_key(fp, keys[0]), b"stored")
+        assert answer_holding_the_gil(index, keys) == [True, False]
+        pid = index.lookups.pid
+        index.close()
+        assert not Path(f"/proc/{pid}").exists()  # the lookup process is gone with its index

@@ -9,7 +9,7 @@ import torch
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.entry import HEADER_BYTES
 from kvtier.tiers.entry_files import entry_path
-from tests.test_remote import Instance, keys_of
+from tests.test_remote import Instance, answer_holding_the_gil, keys_of
 
 
 @pytest.fixture
@@ -109,24 +109,10 @@ def _existence_index(shared, slot_bytes, fingerprints):
 def test_an_existence_check_is_answered_while_the_engines_thread_never_lets_go_of_the_gil(shared):
     """vLLM's one-process layout: the engine's busy loop keeps the GIL. With a switch interval of
     60 s no Python thread could take it during this loop; the stat() calls need none."""
-    import sys
-    import time
-
     writer = Instance(f"file://{shared}")
     writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
     index = _existence_index(shared, writer.worker.layout.slot_bytes, [writer.worker.rank_fingerprint])
-    keys, interval = keys_of([1, 2, 3]), sys.getswitchinterval()
-    while index.lookup(keys, "warm-up") is None:  # whatever threads checks use, they are running now
-        time.sleep(0.001)
-    sys.setswitchinterval(60.0)
-    try:
-        assert index.lookup(keys, "r") is None
-        deadline, found = time.monotonic() + 5.0, None
-        while found is None and time.monotonic() < deadline:  # nothing here lets go of the GIL
-            found = index.lookup(keys, "r")
-    finally:
-        sys.setswitchinterval(interval)
-    assert found == [True, True, False]
+    assert answer_holding_the_gil(index, keys_of([1, 2, 3])) == [True, True, False]
     writer.close()
 
 

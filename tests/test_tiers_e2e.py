@@ -142,7 +142,8 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
         def kill_the_io_process_mid_load():
             relay.armed.wait(300)  # the load's reads have been sent; their answers are held back
             for pid, cmdline in apps.marked(marker):
-                if "kvtier.io.process" in cmdline:
+                # The worker's I/O process; the index's lookup process maps no host pool (memory fd -1).
+                if "kvtier.io.process" in cmdline and "kvtier.io.process -1 " not in cmdline:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
 

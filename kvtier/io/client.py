@@ -1,5 +1,8 @@
 """The worker's handle on its I/O process: start it, send it jobs, take its answers.
 
+A storage pool's index holds one too, with no host pool: its lookup process, asked
+``check`` (existence, by name) instead of jobs.
+
 ``submit`` sends a small message and returns; the answer is read by whichever
 thread comes first, this class's receiver thread or the engine's step (``pump``),
 which calls the job's callback with one reason per block (None: done). If the
@@ -25,7 +28,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvtier.io.messages import FrameReader, Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 
 logger = logging.getLogger("kvtier.io")
@@ -70,10 +73,34 @@ class _Channel:
             self.sock.close()
 
 
+class Check:
+    """One existence check in flight. ``done()`` takes the answers that have arrived, on the
+    caller's thread (no system call unless one has); ``result()`` is the store's ``Found``,
+    or None where there is none (the tier is off, the process died)."""
+
+    __slots__ = ("_io", "finished", "found")
+
+    def __init__(self, io: "IOProcess"):
+        self._io, self.finished, self.found = io, False, None
+
+    def answered(self, answer) -> None:  # a Found, or one reason per name where the check failed
+        self.found = answer if isinstance(answer, Found) else None
+        self.finished = True  # after the answer: a reader that sees it done finds the answer
+
+    def done(self) -> bool:
+        if not self.finished:
+            self._io.pump()
+        return self.finished
+
+    def result(self) -> Found | None:
+        return self.found
+
+
 class IOProcess:
-    def __init__(self, memory_fd: int, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
+    def __init__(self, memory_fd: int | None, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
                  num_slots: int, drain_s: float = 10.0):
-        self._memory_fd = memory_fd
+        self._memory_fd = memory_fd  # None: a lookup process, with no host pool (``check`` only)
+        self.role = "I/O process" if memory_fd is not None else "lookup process"
         # A page the I/O process shares with this worker, where it counts the answers it has sent:
         # the engine's step reads it (no system call, so it never gives up the GIL; doing so every
         # step starves kvtier's other threads of it) and reads the socket only when it has moved.
@@ -112,11 +139,13 @@ class IOProcess:
 
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        memory_fd = -1 if self._memory_fd is None else self._memory_fd
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.io.process", str(self._memory_fd), str(child.fileno()),
+                [sys.executable, "-m", "kvtier.io.process", str(memory_fd), str(child.fileno()),
                  str(self._answers_fd)],
-                pass_fds=(self._memory_fd, child.fileno(), self._answers_fd), close_fds=True, stdin=subprocess.DEVNULL)
+                pass_fds=tuple(fd for fd in (memory_fd, child.fileno(), self._answers_fd) if fd >= 0),
+                close_fds=True, stdin=subprocess.DEVNULL)
         finally:
             child.close()
         send(parent, self._setup)
@@ -130,9 +159,9 @@ class IOProcess:
             self._process.kill()
             self._process.wait()
             parent.close()
-            raise RuntimeError("kvtier: the I/O process did not start")
+            raise RuntimeError(f"kvtier: the {self.role} did not start")
         for name, why in ready.errors.items():
-            logger.error("kvtier: tier %s is off in this worker: %s", name, why)
+            logger.error("kvtier: tier %s is off in this %s: %s", name, self.role, why)
         channel = _Channel(parent, self._process)
         self._receiver = threading.Thread(target=self._receive, args=(channel,), daemon=True,
                                           name="kvtier-io-receiver")
@@ -145,24 +174,34 @@ class IOProcess:
                locations: Sequence[int], deadline: float, callback: Callback) -> None:
         """Run one job in the I/O process; ``callback(reasons)`` is called once, on another thread
         or, if the job cannot be sent, on this one."""
+        self._send(tier, len(keys), callback,
+                   lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline))
+
+    def check(self, tier: str, names: Sequence[str]) -> "Check":
+        """Ask ``tier``'s store whether each name is stored; the answer comes later (``Check``)."""
+        check = Check(self)
+        self._send(tier, len(names), check.answered, lambda job_id: Exists(job_id, tier, list(names)))
+        return check
+
+    def _send(self, tier: str, count: int, callback: Callback, message: Callable[[int], object]) -> None:
         with self._lock:
             job_id = next(self._job_ids)
             if self.disabled or self._closing:
                 why = unavailable("kvtier I/O is switched off")
             elif self._sock is None:
-                why = unavailable("kvtier I/O process restarting")
+                why = unavailable(f"kvtier {self.role} restarting")
             else:
                 why = self.unavailable.get(tier)
                 why = None if why is None else unavailable(f"tier {tier} is off: {why}")
             if why is None:
-                self._callbacks[job_id] = (len(keys), callback)
+                self._callbacks[job_id] = (count, callback)
                 try:
-                    send(self._sock, Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline))
+                    send(self._sock, message(job_id))
                     return
                 except OSError as error:  # the process died; the receiver answers its other jobs
                     self._callbacks.pop(job_id)
-                    why = unavailable(f"kvtier I/O process unreachable: {error}")
-        callback([why] * len(keys))
+                    why = unavailable(f"kvtier {self.role} unreachable: {error}")
+        callback([why] * count)
 
     def _receive(self, channel: _Channel) -> None:
         waiting = select.poll()
@@ -193,11 +232,11 @@ class IOProcess:
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
-            if isinstance(message, Outcome):
+            if isinstance(message, (Outcome, Found)):
                 with self._lock:
                     entry = self._callbacks.pop(message.job_id, None)
                 if entry is not None:  # None: already failed, its process having died meanwhile
-                    entry[1](message.reasons)
+                    entry[1](message.reasons if isinstance(message, Outcome) else message)
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()
@@ -210,19 +249,19 @@ class IOProcess:
             self._sock = self._channel = None  # jobs fail at once until a new process is up
         channel.close()
         self._flush_done.set()
-        why = f"kvtier I/O process exited (code {code})"
+        why = f"kvtier {self.role} exited (code {code})"
         for blocks, callback in orphans.values():
             callback([unavailable(why)] * blocks)
         if self._closing:
             return
         self.num_exits += 1
-        logger.error("%s; %d jobs failed (recomputed); starting a new one", why, len(orphans))
+        logger.error("%s; %d jobs failed (recomputed, or a miss); starting a new one", why, len(orphans))
         while self._count_death():
             try:
                 self._start()
                 return
             except Exception as error:  # counts as one more death
-                logger.error("kvtier: the I/O process could not be restarted (%s)", error)
+                logger.error("kvtier: the %s could not be restarted (%s)", self.role, error)
 
     def _count_death(self) -> bool:
         """Record a death; False (and the tiers switched off, said once) past the limit."""
@@ -231,8 +270,8 @@ class IOProcess:
             self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
             self.disabled = len(self._deaths) > MAX_RESTARTS
         if self.disabled:
-            logger.error("kvtier: the I/O process died %d times in %.0f s; tiers below the host pool are off in this "
-                         "worker, blocks are recomputed", len(self._deaths), RESTART_WINDOW_S)
+            logger.error("kvtier: the %s died %d times in %.0f s; tiers below the host pool are off in this "
+                         "process, blocks are recomputed", self.role, len(self._deaths), RESTART_WINDOW_S)
         return not self.disabled
 
     @property

@@ -1,4 +1,5 @@
-"""What crosses between a worker and its I/O process: small msgpack frames, no pickle.
+"""What crosses between a worker and its I/O process (or an index and its lookup
+process): small msgpack frames, no pickle.
 
 A frame is a 4-byte little-endian length, then one message. Slots travel as row
 numbers of the shared host pool; the bytes never cross the socket.
@@ -43,6 +44,19 @@ class Outcome(msgspec.Struct, tag=True):
     reasons: list[str | None]  # per block: None done, else why not
 
 
+class Exists(msgspec.Struct, tag=True):
+    """An index's existence check, asked of its tier's store (a storage pool) by name."""
+    job_id: int
+    tier: str
+    names: list[str]
+
+
+class Found(msgspec.Struct, tag=True):
+    job_id: int
+    found: list[bool] | None  # per name; None: the store could not ask (down, failing, too slow)
+    down: int  # times the store's client has been marked down, in all
+
+
 class Flush(msgspec.Struct, tag=True):
     timeout_s: float
 
@@ -52,7 +66,7 @@ class Flushed(msgspec.Struct, tag=True):
     dropped: int  # jobs still queued or running at the deadline
 
 
-Message = Setup | Ready | Job | Outcome | Flush | Flushed
+Message = Setup | Ready | Job | Outcome | Exists | Found | Flush | Flushed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

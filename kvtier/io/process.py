@@ -6,6 +6,10 @@ memory file, builds one ``TierStore`` per tier from the ``Setup`` message, and t
 serves jobs: each ``Job`` runs on its tier's threads and is answered by one
 ``Outcome``, one reason per block. It imports no torch and no engine.
 
+The same program, started with no memory file (``-1``), is a storage-pool index's
+lookup process: it answers ``Exists`` checks with ``Found``, through the same
+store, so that no thread of the scheduler's process waits for the GIL to ask.
+
 A ``Flush`` (clean shutdown) lets queued jobs finish up to its timeout, answers
 ``Flushed`` with what was dropped, and exits. If the worker dies instead (killed,
 or its engine force-stopped, as ``vllm serve`` does to its engine at SIGTERM), the
@@ -32,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.io.messages import Flush, Flushed, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import Exists, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 from kvtier.tiers.registry import make_store
 
@@ -47,17 +51,20 @@ class _Server:
         self._send_lock = threading.Lock()
         self._answers_map = mmap.mmap(answers_fd, mmap.PAGESIZE)
         self._answers_sent = memoryview(self._answers_map).cast("Q")  # read by the worker's engine step
-        # Every page mapped now (MAP_POPULATE): a store read then writes into the pool at the speed of
-        # memory, not at one page fault per 4 KiB (a 15 MiB load took 2 to 8 ms more without it).
-        self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes,
-                                  mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)
+        host = None  # a lookup process (no memory file) only answers existence checks
+        if memory_fd >= 0:
+            # Every page mapped now (MAP_POPULATE): a store read then writes into the pool at the speed of
+            # memory, not at one page fault per 4 KiB (a 15 MiB load took 2 to 8 ms more without it).
+            self._mapping = mmap.mmap(memory_fd, setup.num_slots * setup.slot_bytes,
+                                      mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)
         self.stores, self.threads, errors = {}, {}, {}
         for fields in setup.tiers:
             spec = TierSpec(**fields)
             try:
                 store = make_store(spec, setup.rank_fingerprint, setup.slot_bytes)
-                store.attach(host)
+                if host is not None:
+                    store.attach(host)
             except Exception as error:  # this tier is off; the worker fails its jobs, the others carry on
                 errors[spec.name] = f"{type(error).__name__}: {error}"
                 continue
@@ -90,6 +97,14 @@ class _Server:
             self._in_flight -= 1
             self._idle.notify_all()
 
+    def _check(self, check: Exists) -> None:
+        store = self.stores[check.tier]
+        try:
+            found = store.exists(check.names)
+        except Exception:  # no answer is a miss for the index, never a crash here
+            found = None
+        self._answer(Found(check.job_id, found, store.num_down))
+
     def serve(self, drain_s: float) -> None:
         while True:
             try:
@@ -106,6 +121,11 @@ class _Server:
                 with self._idle:
                     self._in_flight += 1
                 self.threads[message.tier].submit(self._run, message)
+            elif isinstance(message, Exists):
+                if message.tier not in self.stores:
+                    self._answer(Found(message.job_id, None, 0))
+                    continue
+                self.threads[message.tier].submit(self._check, message)
             elif isinstance(message, Flush):
                 queued, dropped = self.drain(message.timeout_s)
                 self._answer(Flushed(queued - dropped, dropped))
@@ -154,7 +174,8 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=setup.log_level, format="%(levelname)s %(asctime)s kvtier-io[%(process)d] %(message)s")
     server = _Server(sock, memory_fd, setup, answers_fd)
     os.close(answers_fd)
-    os.close(memory_fd)  # the mapping keeps the memory; the descriptor is not needed any more
+    if memory_fd >= 0:
+        os.close(memory_fd)  # the mapping keeps the memory; the descriptor is not needed any more
     threading.Thread(target=_watch_parent, args=(setup.parent_pid, server, setup.drain_s), daemon=True).start()
     server.serve(setup.drain_s)
     sys.stdout.flush()

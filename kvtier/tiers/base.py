@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -151,6 +150,13 @@ class TierStore(ABC):
                    deadline: float) -> list[str | None]:
         """Write each slot as its key's entry; per block None (stored) or why not."""
 
+    num_down = 0  # times the store's client was marked down (a storage pool)
+
+    def exists(self, names: Sequence[str]) -> list[bool] | None:
+        """For a store that other instances write too (a storage pool), asked by its index through a
+        lookup process: whether each name is stored; None if the store could not ask."""
+        raise NotImplementedError(f"{type(self).__name__} answers no existence checks")
+
     def close(self) -> None:
         return None
 
@@ -159,37 +165,32 @@ class ExistenceIndex(TierIndex):
     """An index for a tier that other instances write too (a shared directory, a storage
     pool): it holds no list of its own, it asks the tier, off the scheduler's thread.
 
-    ``lookup`` returns the answer once it has arrived, None while it is pending, and
-    all-False once ``timeout_s`` passed without one: a tier that does not answer is a
-    miss, never a wait, and ``on_overdue`` is told at once (a pool marks itself down then,
-    not when the late call returns). At most ``max_pending`` checks wait for an answer;
-    lookups past them are misses at once, never a queue. Entries that failed to load are misses for a while, or the
-    engine would ask for the same broken entry again and again.
-
-    ``exists(keys)`` runs on a thread of this index. A tier that can ask without Python
-    gives ``start(keys)`` instead: it returns at once an object whose ``done()`` and
-    ``result()`` answer later (``result()`` as ``exists`` would), so no thread here ever
-    waits for the engine's thread to let go of the GIL.
+    ``start(keys)`` asks and returns at once an object whose ``done()`` says whether the
+    answer is in and ``result()`` gives it: one bool per key, or None where the tier gave
+    none. Neither may wait, nor need a thread of this process to take the GIL: in vLLM's
+    one-process layout the engine's busy loop holds it (the shared directory asks on a
+    native thread, a storage pool through a lookup process). ``lookup`` returns the
+    answer once it has arrived, None while it is pending, and all-False once
+    ``timeout_s`` passed without one: a tier that does not answer is a miss, never a
+    wait. At most ``max_pending`` checks wait for an answer; lookups past them, or
+    checks that cannot start (``OSError``), are misses at once, never a queue. Entries
+    that failed to load are misses for a while, or the engine would ask for the same
+    broken entry again and again.
     """
 
     asks_the_tier = True
 
-    def __init__(self, name: str, exists: Callable[[list[bytes]], list[bool] | None] | None, timeout_s: float,
-                 failed_ttl_s: float = 30.0, threads: int = 2,
-                 on_overdue: Callable[[str], None] | None = None, max_pending: int = 64,
-                 start: Callable[[list[bytes]], Any] | None = None):
+    def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
+                 failed_ttl_s: float = 30.0, max_pending: int = 64):
         self.name = name
-        self._exists = exists
-        self._start = start or (lambda keys: self._threads.submit(self._exists, keys))
+        self._start = start
         self.timeout_s = timeout_s
-        self._on_overdue = on_overdue
         self._max_pending = max_pending
         self.num_overdue = 0
         self.num_refused = 0
         self._unanswered: set[str] = set()  # tokens whose last lookup the tier did not answer (down, slow)
         self._failed_ttl_s = failed_ttl_s
-        self._threads = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-lookup")
-        self._pending: dict[str, tuple[tuple[bytes, ...], float, Future]] = {}
+        self._pending: dict[str, tuple[tuple[bytes, ...], float, Any]] = {}
         self._failed: dict[bytes, float] = {}  # key -> until when it is a miss
         self.num_bad_entries = 0
 
@@ -213,21 +214,19 @@ class ExistenceIndex(TierIndex):
                 return [False] * len(keys)
             self._pending[token] = (keys, time.monotonic(), pending)
             return None
-        _, began, future = entry
-        if not future.done():
+        _, began, check = entry
+        if not check.done():
             waited = time.monotonic() - began
             if waited <= self.timeout_s:
                 return None
             del self._pending[token]
             self.num_overdue += 1
-            if self._on_overdue is not None:
-                self._on_overdue(f"an existence check is past its deadline ({waited:.2f} s)")
             self._unanswered.add(token)
             return [False] * len(keys)
         del self._pending[token]
         try:
-            found = future.result()
-        except Exception:  # a failed existence call is a miss; the tier's own breaker logs it
+            found = check.result()
+        except Exception:  # a failed existence check is a miss; the tier's own breaker logs it
             found = None
         if found is None:
             self._unanswered.add(token)
@@ -260,4 +259,4 @@ class ExistenceIndex(TierIndex):
         self._unanswered.discard(token)
 
     def close(self):
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()

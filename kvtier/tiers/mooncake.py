@@ -41,7 +41,7 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    return make_pool_index(spec, rank_fingerprints, _connector(spec))
+    return make_pool_index(spec, rank_fingerprints)
 
 
 def _connector(spec: TierSpec):

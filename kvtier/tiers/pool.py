@@ -5,8 +5,8 @@ A storage pool is a tier that many instances reach. Its module (``mooncake``,
 whole entries (the ``kvtier.entry`` header, then the slot's bytes). This module
 turns a client into the tier's two halves:
 
-- the index (scheduler): existence asked off the scheduler's thread through a
-  client of its own (``ExistenceIndex``);
+- the index (scheduler): existence asked off the scheduler's thread, through a
+  store in a lookup process of its own (``ExistenceIndex``, ``make_pool_index``);
 - the store (I/O process): ``PoolStore`` frames and checks entries, reading into
   and writing from the host pool directly where the client allows (Mooncake
   registers the mapping and moves bytes with no copy).
@@ -295,33 +295,53 @@ def _close_quietly(client: PoolClient) -> None:
         pass
 
 
-def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes],
-                    connect: Callable[[], PoolClient]) -> ExistenceIndex:
-    guarded = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
+def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
+    """The index asks the pool through a store in a lookup process of its own (``kvtier.io``):
+    a client on a thread of the scheduler's process needs the GIL after every call into the
+    network, and an engine's busy loop holds it (traced in vLLM's one-process layout: 6 to 18 ms
+    of each hit passed before the check was answered). The store's client there is guarded as
+    every pool client is: down or past ``timeout_s``, a check is a miss."""
+    from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
+
+    lookups = IOProcess(None, [spec], bytes(16), 0, 0, drain_s=0.0)
     ranks = list(rank_fingerprints)
+    down = [0]  # the store's count, as of its last answer
 
-    def exists(keys: list[bytes]) -> list[bool] | None:
-        if not guarded.available:
-            return None
-        answer = guarded.call("exists", [pool_key(fp, key) for key in keys for fp in ranks])
-        if answer is None:
-            return None
-        # A block counts as stored only if every rank stored its shard.
-        return [all(answer[i * len(ranks):(i + 1) * len(ranks)]) for i in range(len(keys))]
+    def start(keys: list[bytes]) -> _PoolCheck:
+        return _PoolCheck(lookups.check(spec.name, [pool_key(fp, key) for key in keys for fp in ranks]), len(ranks),
+                          down)
 
-    index = ExistenceIndex(spec.name, exists, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
-                           on_overdue=guarded.mark_down)
-    _outside_client(spec, connect, guarded)  # the namespace probe asks through this client too
-    index.client = guarded  # closed with the index
-    index.stats = lambda: {"down": guarded.num_failures}
+    index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0))
+    index.lookups = lookups
+    index.stats = lambda: {"down": down[0]}
     close = index.close
 
     def close_both():
         close()
-        guarded.close()
+        lookups.close(0.0)
 
     index.close = close_both
     return index
+
+
+class _PoolCheck:
+    """One existence check in the lookup process, as ``ExistenceIndex`` polls it."""
+
+    def __init__(self, check, num_ranks: int, down: list[int]):
+        self._check, self._ranks, self._down = check, num_ranks, down
+
+    def done(self) -> bool:
+        return self._check.done()
+
+    def result(self) -> list[bool] | None:
+        answer = self._check.result()
+        if answer is None:
+            return None
+        self._down[0] = max(self._down[0], answer.down)
+        if answer.found is None:
+            return None
+        # A block counts as stored only if every rank stored its shard.
+        return [all(answer.found[i:i + self._ranks]) for i in range(0, len(answer.found), self._ranks)]
 
 
 # What is asked of a pool besides blocks (the namespace probe, `kvtier doctor`) goes through one
@@ -459,6 +479,13 @@ class PoolStore(TierStore):
         if stored is None:
             return [unavailable("storage pool down or failing")] * len(keys)
         return [None if ok else "refused by the storage pool" for ok in stored]
+
+    def exists(self, names: Sequence[str]) -> list[bool] | None:
+        return self.client.call("exists", names) if self.client.available else None
+
+    @property
+    def num_down(self) -> int:
+        return self.client.num_failures
 
     def close(self) -> None:
         self.client.close()

@@ -29,7 +29,7 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    return make_pool_index(spec, rank_fingerprints, lambda: RedisClient(spec.location, spec.timeout_s, 0))
+    return make_pool_index(spec, rank_fingerprints)
 
 
 def _connector(spec: TierSpec):

@@ -58,8 +58,8 @@ MAX_CHECKS = 64  # existence checks running at once in a process (a hung mount h
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
     root = _directory_and_bound(spec.location)[0]
     fingerprints = [fp.hex() for fp in rank_fingerprints]
-    return ExistenceIndex(spec.name, None, spec.timeout_s, max_pending=MAX_CHECKS,
-                          start=lambda keys: _WholeEntries(root, HEADER_BYTES + slot_bytes, fingerprints, keys))
+    return ExistenceIndex(spec.name, lambda keys: _WholeEntries(root, HEADER_BYTES + slot_bytes, fingerprints, keys),
+                          spec.timeout_s, max_pending=MAX_CHECKS)
 
 
 class _WholeEntries:
