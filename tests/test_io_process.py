@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,7 +103,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk
 
 
 def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_late_reads(disk_dir, monkeypatch):
-    monkeypatch.setattr("kvtier.worker.loads.CHUNK_BYTES", 1)  # one I/O job per block
+    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)  # one I/O job per block
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=4, load_timeout_s=0.5)
     randomize(tensors)
@@ -124,6 +125,77 @@ def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_lat
     assert engine.manager.host.num_pins == 0 and engine.worker.num_jobs_in_flight == 0
     assert engine.worker.io.pid == pid  # a slow process is not a dead one
     engine.close()
+
+
+def test_a_store_is_written_in_chunks_side_by_side_and_loads_back_byte_for_byte(disk_dir, monkeypatch):
+    """Writes go to the I/O process in jobs of about CHUNK_BYTES, as loads do (here one block
+    each); every chunk lands, and the blocks load back as they were."""
+    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=8)
+    randomize(tensors)
+    before = [t[1:9].clone() for t in tensors]
+    first_job = next(engine.worker.io._job_ids)
+    reports = engine.store(keys_of(range(8)), list(range(1, 9)))
+    assert reports[0].success and not reports[0].failed_writes
+    assert next(engine.worker.io._job_ids) - first_job == 1 + 8  # one write job per block
+    assert all(_entries(disk_dir, engine.worker.rank_fingerprint, keys_of(range(8))))
+    engine.store(keys_of(range(10, 18)), list(range(1, 9)))  # the first eight are on disk only now
+    for t in tensors:
+        t[20:28].zero_()
+    _, report = engine.load(keys_of(range(8)), list(range(20, 28)))
+    assert report.success
+    assert all(torch.equal(t[20:28].view(torch.int16), b.view(torch.int16)) for t, b in zip(tensors, before))
+    engine.close()
+
+
+def test_a_chunked_store_whose_writes_hang_is_given_up_whole_and_its_slots_held(disk_dir, monkeypatch):
+    """Every chunk of a store unanswered (its I/O process stopped): the store is reported at
+    ``load_timeout_s + remote_timeout_s`` with all its writes failed, its slots held until the
+    late writes return, then released."""
+    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=8, load_timeout_s=0.5, remote_timeout_s=0.5)
+    randomize(tensors)
+    pid = engine.worker.io.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        reports = engine.store(keys_of(range(4)), [1, 2, 3, 4])
+        assert 0.9 < time.monotonic() - began < 10
+        assert reports[0].failed_writes == {"disk": keys_of(range(4))}
+        assert engine.manager.num_held == 4 and engine.manager.stats.abandoned_stores == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _wait_until(lambda: engine.manager.on_released(engine.worker.released_slots()) or
+                       engine.manager.num_held == 0, 10)
+    assert engine.manager.host.num_pins == 0 and engine.worker.num_jobs_in_flight == 0
+    engine.close()
+
+
+def test_the_io_process_maps_the_host_pool_without_changing_a_byte():
+    """Its mapping is made writable page by page at start (MADV_POPULATE_WRITE where the kernel
+    has it): what the worker wrote stays, and what it writes the worker sees."""
+    import mmap
+
+    from kvtier.io.process import _map_for_writing
+
+    fd = os.memfd_create("kvtier-test-pool")
+    try:
+        size = 64 * mmap.PAGESIZE
+        os.ftruncate(fd, size)
+        worker = mmap.mmap(fd, size)
+        pattern = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+        np.frombuffer(worker, np.uint8)[:] = pattern
+        io_side = _map_for_writing(fd, size)
+        assert np.array_equal(np.frombuffer(io_side, np.uint8), pattern)
+        np.frombuffer(io_side, np.uint8)[::mmap.PAGESIZE] ^= 0xFF
+        pattern[::mmap.PAGESIZE] ^= 0xFF
+        assert np.array_equal(np.frombuffer(worker, np.uint8), pattern)
+        io_side.close()
+        worker.close()
+    finally:
+        os.close(fd)
 
 
 def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(disk_dir, caplog):

@@ -27,7 +27,6 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -48,7 +47,7 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
 
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "DiskStore":
-    return DiskStore(spec.location, rank_fingerprint, slot_bytes, spec.threads)
+    return DiskStore(spec.location, rank_fingerprint, slot_bytes)
 
 
 class DiskIndex(TierIndex):
@@ -311,12 +310,10 @@ def _written_places(fd: int, entry_bytes: int, capacity: int):
 
 
 class DiskStore(TierStore):
-    """Reads and writes one rank's places. Thread-safe; runs in kvtier's I/O process.
+    """Reads and writes one rank's places. Thread-safe; runs in kvtier's I/O process, which runs
+    a tier's jobs side by side on its threads; one job's blocks are read or written in order."""
 
-    A batch is spread over ``threads`` threads: positioned reads and writes release
-    the GIL, so several entries are in the kernel at once."""
-
-    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
+    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int):
         self.root = root
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
@@ -324,19 +321,15 @@ class DiskStore(TierStore):
         entries_file(root, rank_fingerprint).parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         self._fds: dict[int, int] = {}  # file number -> descriptor, opened at first use
         self._fds_lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
         self.back_off = WriteBackOff()
 
-    def _each(self, function, *columns) -> list:
-        if self._threads is None or len(columns[0]) < 2:
-            return list(map(function, *columns))
-        return list(self._threads.map(function, *columns))
-
     def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids], locations)
+        return [self._read_guarded(key, memoryview(self.host[slot]), location)
+                for key, slot, location in zip(keys, slot_ids, locations)]
 
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids], locations)
+        return [self._write_guarded(key, memoryview(self.host[slot]), location)
+                for key, slot, location in zip(keys, slot_ids, locations)]
 
     def _read_guarded(self, key: bytes, out: memoryview, location: int) -> str | None:
         try:
@@ -386,6 +379,4 @@ class DiskStore(TierStore):
         return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key)
 
     def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=True)
         _close_all(list(self._fds.values()))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
@@ -31,33 +30,25 @@ def entry_path(root, rank_fingerprint: bytes, key: bytes) -> Path:
 
 
 class EntryFiles(TierStore):
-    """One rank's entries, one file each. Thread-safe; runs in kvtier's I/O process.
+    """One rank's entries, one file each. Thread-safe; runs in kvtier's I/O process, which runs
+    a tier's jobs side by side on its threads; one job's entries are read or written in order."""
 
-    A batch is spread over ``threads`` threads: file I/O releases the GIL, so several
-    entries are in the kernel at once."""
-
-    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int, threads: int = 2):
+    def __init__(self, root: str | os.PathLike, rank_fingerprint: bytes, slot_bytes: int):
         self.root = Path(root)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
         _make_dirs(self.root, self.root / rank_fingerprint.hex())
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk") if threads > 1 else None
         # Unique across hosts that share a directory: two writers never share a temporary file.
         self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
         self.back_off = WriteBackOff()
 
-    def _each(self, function, *columns) -> list:
-        if self._threads is None or len(columns[0]) < 2:
-            return list(map(function, *columns))
-        return list(self._threads.map(function, *columns))
-
     def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return self._each(self._read_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+        return [self._read_guarded(key, memoryview(self.host[slot])) for key, slot in zip(keys, slot_ids)]
 
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return self._each(self._write_guarded, keys, [memoryview(self.host[s]) for s in slot_ids])
+        return [self._write_guarded(key, memoryview(self.host[slot])) for key, slot in zip(keys, slot_ids)]
 
     def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
         try:
@@ -73,10 +64,6 @@ class EntryFiles(TierStore):
             return None
         except Exception as error:
             return self.back_off.failed(error)
-
-    def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=True)
 
     def path(self, key: bytes) -> Path:
         return entry_path(self.root, self.rank_fingerprint, key)

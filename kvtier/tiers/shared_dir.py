@@ -108,7 +108,7 @@ def read_records(spec: TierSpec) -> list[dict]:
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> "SharedDirStore":
     root, bound = _directory_and_bound(spec.location)
-    return SharedDirStore(root, rank_fingerprint, slot_bytes, spec.threads, bound)
+    return SharedDirStore(root, rank_fingerprint, slot_bytes, bound)
 
 
 def _size(path: Path) -> int:
@@ -119,8 +119,8 @@ def _size(path: Path) -> int:
 
 
 class SharedDirStore(EntryFiles):
-    def __init__(self, root: str, rank_fingerprint: bytes, slot_bytes: int, threads: int, max_bytes: int | None):
-        super().__init__(root, rank_fingerprint, slot_bytes, threads)
+    def __init__(self, root: str, rank_fingerprint: bytes, slot_bytes: int, max_bytes: int | None):
+        super().__init__(root, rank_fingerprint, slot_bytes)
         self.max_bytes = max_bytes
         self._entry_bytes = HEADER_BYTES + slot_bytes
         self._used = 0

@@ -17,6 +17,15 @@ import numpy as np
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
 
+# An I/O job moves about this much, loads and writes alike: a load's chunks are copied to the
+# device as each lands, and a tier's jobs run side by side on the I/O process's threads, while
+# each job reads or writes its blocks in order.
+CHUNK_BYTES = 4 << 20
+
+
+def chunk_blocks(slot_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // slot_bytes)
+
 
 def merged(first: TransferResult | None, second: TransferResult) -> TransferResult:
     """One result for a job made of several transfers (its layers)."""
@@ -52,7 +61,7 @@ class Store:
     layer_transfers: list[TransferJob | None] | None = None  # layer-wise: each layer's, until it is sent
     raced: bool = False  # the engine reused its blocks before its copy ended: never persisted
     abandon_at: float = float("inf")  # when writes still unanswered are given up (report sent, slots held)
-    answered: set = field(default_factory=set)  # tiers whose writes the I/O process answered
+    chunks_left: dict = field(default_factory=dict)  # tier -> its write jobs the I/O process has not answered
     abandoned: bool = False
 
 

@@ -1,7 +1,7 @@
 """A worker's loads: tier -> host slots (in the I/O process) -> device blocks.
 
 A load asks the I/O process to read its ``fill`` blocks into their reserved host
-slots, in I/O jobs of about ``CHUNK_BYTES`` per tier; each answered chunk's
+slots, in I/O jobs of about ``CHUNK_BYTES`` (``kvtier.worker.jobs``) per tier; each answered chunk's
 usable blocks are copied host -> device at once, while the I/O process reads the
 next chunks, and the job is reported when every chunk is copied. A fill not
 answered within ``load_timeout_s`` abandons the load: it is reported failed (the
@@ -22,11 +22,9 @@ import numpy as np
 from kvtier.plans import JobReport, LoadJob
 from kvtier.tiers.base import is_bad_entry, unavailable
 from kvtier.transfer.engine import TransferResult
-from kvtier.worker.jobs import JobBook, Load
+from kvtier.worker.jobs import JobBook, Load, chunk_blocks
 
 logger = logging.getLogger("kvtier.worker")
-
-CHUNK_BYTES = 4 << 20  # a load's reads are answered, and copied to the device, this much at a time
 
 
 class LoadPath:
@@ -37,7 +35,7 @@ class LoadPath:
         self.io = io  # IOProcess, or None where this worker reads no tier
         self.load_timeout_s = load_timeout_s
         self.num_layers = num_layers
-        self.chunk_blocks = max(1, CHUNK_BYTES // slot_bytes)
+        self.chunk_blocks = chunk_blocks(slot_bytes)
         self.verifier = verifier
         self.replicated = replicated
 

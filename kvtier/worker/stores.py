@@ -2,8 +2,8 @@
 
 A store copies device -> host; from then on the device blocks may be reused. The
 moment that copy is done (on the progress thread, whether or not the engine
-steps) its writes go to the I/O process, one I/O job per tier, and when every
-tier has answered the job is reported. A layer-wise store makes one transfer per
+steps) its writes go to the I/O process, in I/O jobs of about ``CHUNK_BYTES`` per
+tier (run side by side there), and when every one is answered the job is reported. A layer-wise store makes one transfer per
 layer before the forward; each is sent once, right after its layer's attention.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from kvtier.plans import JobReport, StoreJob
 from kvtier.tiers.base import unavailable
 from kvtier.transfer.engine import TransferResult
-from kvtier.worker.jobs import JobBook, Store
+from kvtier.worker.jobs import JobBook, Store, chunk_blocks
 
 logger = logging.getLogger("kvtier.worker")
 
@@ -45,9 +45,10 @@ class FailedWritesLog:
 
 
 class StorePath:
-    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, is_source: bool, verifier=None,
-                 abandon_s: float = 30.0):
+    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, slot_bytes: int,
+                 is_source: bool, verifier=None, abandon_s: float = 30.0):
         self.book = book
+        self.chunk_blocks = chunk_blocks(slot_bytes)
         self.io = io  # IOProcess, or None where this worker writes no tier
         self.write_timeout_s = write_timeout_s
         self.abandon_s = abandon_s  # writes unanswered this long after they were sent are given up
@@ -134,23 +135,28 @@ class StorePath:
             report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
         elif self.verifier is not None:
             self.verifier.received(job.slot_ids)
+        chunks = [(tier, at, keys[at:at + self.chunk_blocks]) for tier, keys in writes.items()
+                  for at in range(0, len(keys), self.chunk_blocks)]
         with self.book.lock:
             store.device_reads_done = True  # from here on the device blocks may be reused
-            store.writes_left = len(writes)
+            store.writes_left = len(chunks)
+            for tier, _, _ in chunks:
+                store.chunks_left[tier] = store.chunks_left.get(tier, 0) + 1
             store.abandon_at = time.monotonic() + self.abandon_s
-            if not writes:
+            if not chunks:
                 self._finish(store)
         deadline = time.monotonic() + self.write_timeout_s
-        for tier, keys in writes.items():
+        for tier, at, keys in chunks:
             written = partial(self._written, store, tier, keys)
             if self.io is None:
                 written([unavailable("no I/O process")] * len(keys))
-            else:
-                self.io.submit(tier, True, keys, job.slots_of(keys), job.write_locations.get(tier, [-1] * len(keys)),
-                               deadline, written)
+                continue
+            locations = job.write_locations.get(tier)
+            self.io.submit(tier, True, keys, job.slots_of(keys),
+                           locations[at:at + len(keys)] if locations else [-1] * len(keys), deadline, written)
 
     def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
-        """The I/O process answered one tier's writes (on its receiver thread, or the engine's step)."""
+        """The I/O process answered one chunk of a tier's writes (on its receiver thread, or the engine's step)."""
         failed = [key for key, why in zip(keys, reasons) if why is not None]
         if failed:
             self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
@@ -160,9 +166,9 @@ class StorePath:
                 if store.writes_left == 0:
                     self.book.release(store.job.slot_ids)
                 return
-            store.answered.add(tier)
+            store.chunks_left[tier] -= 1
             if failed:
-                store.report.failed_writes[tier] = failed
+                store.report.failed_writes.setdefault(tier, []).extend(failed)
             if store.writes_left == 0:
                 self._finish(store)
 
@@ -175,7 +181,7 @@ class StorePath:
                 if not store.device_reads_done or store.writes_left == 0 or now < store.abandon_at:
                     continue
                 store.abandoned = True
-                late = [tier for tier in store.job.writes if tier not in store.answered]
+                late = [tier for tier, left in store.chunks_left.items() if left]
                 for tier in late:
                     store.report.failed_writes[tier] = list(store.job.writes[tier])
                 store.report.held_slot_ids = list(store.job.slot_ids)

@@ -75,8 +75,9 @@ class TierWorker:
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
         self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.layout.slot_bytes,
                               self._advance, self.verifier, self.replicated)
-        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.is_source,
-                                self.verifier, abandon_s=config.load_timeout_s + config.remote_timeout_s)
+        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.layout.slot_bytes,
+                                self.is_source, self.verifier,
+                                abandon_s=config.load_timeout_s + config.remote_timeout_s)
         self._closed = False
         self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
         self._progress.start()
