@@ -55,7 +55,6 @@ class Store:
     job: StoreJob
     report: JobReport
     device_reads_done: bool = False  # the device -> host copy finished: the blocks may be reused
-    writes_left: int = 0
     transfers_left: int = 1  # layer-wise: one transfer per layer
     copy_result: TransferResult | None = None
     layer_transfers: list[TransferJob | None] | None = None  # layer-wise: each layer's, until it is sent
@@ -63,6 +62,10 @@ class Store:
     abandon_at: float = float("inf")  # when writes still unanswered are given up (report sent, slots held)
     chunks_left: dict = field(default_factory=dict)  # tier -> its write jobs the I/O process has not answered
     abandoned: bool = False
+
+    @property
+    def writes_left(self) -> int:
+        return sum(self.chunks_left.values())
 
 
 class JobBook:

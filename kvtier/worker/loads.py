@@ -1,13 +1,13 @@
 """A worker's loads: tier -> host slots (in the I/O process) -> device blocks.
 
 A load asks the I/O process to read its ``fill`` blocks into their reserved host
-slots, in I/O jobs of about ``CHUNK_BYTES`` (``kvtier.worker.jobs``) per tier; each answered chunk's
-usable blocks are copied host -> device at once, while the I/O process reads the
-next chunks, and the job is reported when every chunk is copied. A fill not
-answered within ``load_timeout_s`` abandons the load: it is reported failed (the
-engine recomputes) once no copy of it is running, and its slots are reported
-released only when the late reads have returned, so nothing reuses a slot that a
-read may still write.
+slots, in I/O jobs of about ``CHUNK_BYTES`` (``kvtier.worker.jobs``) per tier;
+each answered chunk's usable blocks are copied host -> device at once, while the
+I/O process reads the next chunks, and the job is reported when every chunk is
+copied. A fill not answered within ``load_timeout_s`` abandons the load: it is
+reported failed (the engine recomputes) once no copy of it is running, and its
+slots are reported released only when the late reads have returned, so nothing
+reuses a slot that a read may still write.
 """
 
 from __future__ import annotations

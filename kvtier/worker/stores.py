@@ -3,8 +3,9 @@
 A store copies device -> host; from then on the device blocks may be reused. The
 moment that copy is done (on the progress thread, whether or not the engine
 steps) its writes go to the I/O process, in I/O jobs of about ``CHUNK_BYTES`` per
-tier (run side by side there), and when every one is answered the job is reported. A layer-wise store makes one transfer per
-layer before the forward; each is sent once, right after its layer's attention.
+tier (run side by side there), and when every one is answered the job is reported.
+A layer-wise store makes one transfer per layer before the forward; each is sent
+once, right after its layer's attention.
 """
 
 from __future__ import annotations
@@ -135,25 +136,25 @@ class StorePath:
             report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
         elif self.verifier is not None:
             self.verifier.received(job.slot_ids)
-        chunks = [(tier, at, keys[at:at + self.chunk_blocks]) for tier, keys in writes.items()
-                  for at in range(0, len(keys), self.chunk_blocks)]
+        chunks = []  # (tier, keys, their slots, their locations), about CHUNK_BYTES each
+        for tier, keys in writes.items():
+            slots, locations = job.slots_of(keys), job.write_locations.get(tier) or [-1] * len(keys)
+            chunks += [(tier, keys[at:at + self.chunk_blocks], slots[at:at + self.chunk_blocks],
+                        locations[at:at + self.chunk_blocks]) for at in range(0, len(keys), self.chunk_blocks)]
         with self.book.lock:
             store.device_reads_done = True  # from here on the device blocks may be reused
-            store.writes_left = len(chunks)
-            for tier, _, _ in chunks:
+            for tier, *_ in chunks:
                 store.chunks_left[tier] = store.chunks_left.get(tier, 0) + 1
             store.abandon_at = time.monotonic() + self.abandon_s
             if not chunks:
                 self._finish(store)
         deadline = time.monotonic() + self.write_timeout_s
-        for tier, at, keys in chunks:
+        for tier, keys, slots, locations in chunks:
             written = partial(self._written, store, tier, keys)
             if self.io is None:
                 written([unavailable("no I/O process")] * len(keys))
-                continue
-            locations = job.write_locations.get(tier)
-            self.io.submit(tier, True, keys, job.slots_of(keys),
-                           locations[at:at + len(keys)] if locations else [-1] * len(keys), deadline, written)
+            else:
+                self.io.submit(tier, True, keys, slots, locations, deadline, written)
 
     def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
         """The I/O process answered one chunk of a tier's writes (on its receiver thread, or the engine's step)."""
@@ -161,12 +162,11 @@ class StorePath:
         if failed:
             self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
         with self.book.lock:
-            store.writes_left -= 1
+            store.chunks_left[tier] -= 1
             if store.abandoned:  # reported already; the slots it held are free once no write reads them
                 if store.writes_left == 0:
                     self.book.release(store.job.slot_ids)
                 return
-            store.chunks_left[tier] -= 1
             if failed:
                 store.report.failed_writes.setdefault(tier, []).extend(failed)
             if store.writes_left == 0:
