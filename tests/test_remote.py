@@ -220,19 +220,20 @@ def test_mooncake_entries_damaged_truncated_or_foreign_are_misses(tmp_path):
     with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
         writer, raw, names = _mooncake_entries(server)
         store = raw._store
-        block = np.zeros(writer.worker.layout.slot_bytes, np.uint8)
-        header = np.zeros(HEADER_BYTES, np.uint8)
-        store.register_buffer(block.ctypes.data, block.nbytes)
-        store.register_buffer(header.ctypes.data, header.nbytes)
-        assert store.get_into(f"{names[0]}/kv", block.ctypes.data, block.nbytes) == block.nbytes
-        good = block.copy()
-        block[5] ^= 0xFF  # garbage in the block
-        assert store.remove(f"{names[0]}/kv", True) == 0  # forced: the get above holds a lease
-        assert store.put_from(f"{names[0]}/kv", block.ctypes.data, block.nbytes) == 0
-        assert store.remove(f"{names[1]}/kv") == 0  # truncated
-        assert store.put_from(f"{names[1]}/kv", block.ctypes.data, block.nbytes // 2) == 0
-        header[:] = np.frombuffer(encode_header(b"\x99" * 16, keys_of([2])[0], good), np.uint8)
-        assert store.upsert_from(f"{names[2]}/header", header.ctypes.data, header.nbytes) == 0  # another model's
+        entry = np.zeros(HEADER_BYTES + writer.worker.layout.slot_bytes, np.uint8)  # one object: header, block
+        store.register_buffer(entry.ctypes.data, entry.nbytes)
+        assert store.get_into(names[0], entry.ctypes.data, entry.nbytes) == entry.nbytes
+        good = entry.copy()
+        entry[HEADER_BYTES + 5] ^= 0xFF  # garbage in the block
+        assert store.remove(names[0], True) == 0  # forced: the get above holds a lease
+        assert store.put_from(names[0], entry.ctypes.data, entry.nbytes) == 0
+        entry[:] = good
+        assert store.remove(names[1]) == 0  # truncated
+        assert store.put_from(names[1], entry.ctypes.data, entry.nbytes // 2) == 0
+        entry[:HEADER_BYTES] = np.frombuffer(encode_header(b"\x99" * 16, keys_of([2])[0], good[HEADER_BYTES:]),
+                                             np.uint8)
+        assert store.remove(names[2]) == 0  # another model's
+        assert store.put_from(names[2], entry.ctypes.data, entry.nbytes) == 0
         reader = Instance(server.url)
         assert reader.lookup(keys_of(range(4))) == 4
         report = reader.run(reader.manager.plan_load("r", keys_of(range(4)), [10, 11, 12, 13]),
@@ -246,21 +247,23 @@ def test_mooncake_entries_damaged_truncated_or_foreign_are_misses(tmp_path):
         raw.close()
 
 
-def test_a_mooncake_header_whose_block_was_evicted_gives_way_to_the_next_write(tmp_path):
+def test_a_mooncake_entry_is_written_once_and_one_evicted_is_written_again(tmp_path):
     with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
         writer, raw, names = _mooncake_entries(server)
-        assert raw._store.remove(f"{names[0]}/kv") == 0  # as eviction would: the header is left
+        assert raw._store.remove(names[0]) == 0  # as eviction would
         other = Instance(server.url)  # other bytes for the same keys
-        assert other.lookup(keys_of(range(4))) == 0  # a block counts only with both of its objects
-        report = other.run(other.manager.plan_store("b", keys_of([0]), [7]), other.worker.submit_store)
-        assert report.success and not report.failed_writes
+        assert other.lookup(keys_of(range(4))) == 0
+        report = other.run(other.manager.plan_store("b", keys_of([0, 1]), [7, 8]), other.worker.submit_store)
+        assert report.success and not report.failed_writes  # the entry of key 1 is there: stored
         reader = Instance(server.url)
-        assert reader.lookup(keys_of([0])) == 1
-        report = reader.run(reader.manager.plan_load("r", keys_of([0]), [20]), reader.worker.submit_load)
+        assert reader.lookup(keys_of(range(4))) == 4
+        report = reader.run(reader.manager.plan_load("r", keys_of([0, 1]), [20, 21]), reader.worker.submit_load)
         assert report.success
         for o, w, r in zip(other.tensors, writer.tensors, reader.tensors):
-            assert torch.equal(o[7].view(torch.int16), r[20].view(torch.int16))
+            assert torch.equal(o[7].view(torch.int16), r[20].view(torch.int16))  # written again
             assert not torch.equal(w[1].view(torch.int16), r[20].view(torch.int16))
+            assert torch.equal(w[2].view(torch.int16), r[21].view(torch.int16))  # the first write's, left whole
+            assert not torch.equal(o[8].view(torch.int16), r[21].view(torch.int16))
         for instance in (writer, other, reader):
             instance.close()
         raw.close()

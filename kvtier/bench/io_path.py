@@ -45,6 +45,20 @@ class IOPath:
             raise RuntimeError(f"{len(failures)} blocks failed: {failures[0]}")
         return elapsed
 
+    def job(self, write: bool, keys: list[bytes], slot_ids: list[int]) -> float:
+        """Seconds for one job: ``keys[i]`` written from (read into) slot ``slot_ids[i]``."""
+        answered = threading.Event()
+        reasons: list = []
+        began = time.perf_counter()
+        self.io.submit(self.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 60,
+                       lambda answer: (reasons.extend(answer), answered.set()))
+        answered.wait()
+        elapsed = time.perf_counter() - began
+        failed = [r for r in reasons if r is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} blocks failed: {failed[0]}")
+        return elapsed
+
     def close(self) -> None:
         self.io.close(10.0)
         self.memory.close()

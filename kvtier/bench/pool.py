@@ -3,10 +3,12 @@ prefill/decode through it.
 
 Put and get GB/s of whole blocks through kvtier's real path (jobs to its I/O
 process: header, checksum, validation, zero-copy buffers) beside the store's own
-client moving the same bytes in the same run, one batch at a time on both sides: Mooncake's ``batch_put_from``/``batch_get_into`` on one
-registered buffer, Redis's pipelined ``SET``/``GET``. Then, on a generated model:
-the decode instance's time to first token beside recompute, and the producer's
-extra time for writing to the pool.
+client moving the same bytes in the same run, one batch at a time on both sides:
+Mooncake's ``batch_put_from``/``batch_get_into`` on one registered buffer, Redis's
+pipelined ``SET``/``GET``. The two take turns batch by batch over 3 rounds, after one
+round not counted. Then, on a generated model: the decode instance's
+time to first token beside recompute, and the producer's extra time for writing to
+the pool.
 """
 
 from __future__ import annotations
@@ -29,77 +31,130 @@ def _blocks(num_blocks: int, slot_bytes: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (num_blocks, slot_bytes), dtype=np.uint8)
 
 
-def _tier_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
+class _TierPath:
     """kvtier's path: jobs to its I/O process, which encodes and checks each entry's header and
     moves values straight between the shared host pool and the pool (zero-copy where it can)."""
-    from kvtier.tiers.registry import SCHEMES
 
-    name, module = SCHEMES[url.split("://")[0]]
-    path = IOPath(TierSpec(name, module, url, timeout_s=30.0, retry_s=1.0), len(payload), payload.shape[1])
-    path.slots[:] = payload
-    put_times, get_times = [], []
-    for round_ in range(repeats):
-        keys = [i.to_bytes(15, "little") + bytes([round_]) for i in range(len(payload))]
-        put_times.append(path.run(True, keys, batch, in_flight=1))
-        path.slots[:] = 0
-        get_times.append(path.run(False, keys, batch, in_flight=1))
-    assert np.array_equal(path.slots, payload), "kvtier read back other bytes than it wrote"
-    path.close()
-    return min(put_times), min(get_times)
+    def __init__(self, url: str, payload: np.ndarray):
+        from kvtier.tiers.registry import SCHEMES
+
+        name, module = SCHEMES[url.split("://")[0]]
+        self.payload = payload
+        self.path = IOPath(TierSpec(name, module, url, timeout_s=30.0, retry_s=1.0), len(payload), payload.shape[1])
+
+    def start(self, op: str) -> None:
+        self.path.slots[:] = self.payload if op == "put" else 0
+
+    def batch(self, op: str, round_: int, part: range) -> float:
+        keys = [i.to_bytes(15, "little") + bytes([round_]) for i in part]
+        return self.path.job(op == "put", keys, list(part))
+
+    def check(self) -> None:
+        assert np.array_equal(self.path.slots, self.payload), "kvtier read back other bytes than it wrote"
+
+    def close(self) -> None:
+        self.path.close()
+
+
+class _RawClient:
+    """The store's own client moving the same bytes, one value per block, no kvtier: Mooncake's
+    batch calls on registered memory, or a Redis pipeline."""
+
+    def __init__(self, url: str, payload: np.ndarray):
+        self.payload, self.out = payload, np.zeros_like(payload)
+        self.mooncake = url.startswith("mooncake")
+        if self.mooncake:
+            from kvtier.tiers.mooncake import MooncakeClient
+            self.store = MooncakeClient(url, 30.0)
+            for array in (self.payload, self.out):
+                self.store._store.register_buffer(array.ctypes.data, array.nbytes)
+        else:
+            from kvtier.tiers.redis import RedisClient
+            self.store = RedisClient(url, 30.0)
+
+    def start(self, op: str) -> None:
+        if op == "get":
+            self.out[:] = 0
+
+    def batch(self, op: str, round_: int, part: range) -> float:
+        names, size = [f"bench/raw/{round_}/{i}" for i in part], self.payload.shape[1]
+        began = time.perf_counter()
+        if self.mooncake and op == "put":
+            codes = self.store._store.batch_put_from(names, [self.payload[i].ctypes.data for i in part],
+                                                     [size] * len(part))
+            assert all(code == 0 for code in codes)
+        elif self.mooncake:
+            codes = self.store._store.batch_get_into(names, [self.out[i].ctypes.data for i in part], [size] * len(part))
+            assert all(code == size for code in codes)
+        else:
+            pipe = self.store._client.pipeline(transaction=False)
+            for name, i in zip(names, part):
+                if op == "put":
+                    pipe.set(name, memoryview(self.payload[i]))
+                else:
+                    pipe.get(name)
+            values = pipe.execute()
+            if op == "get":
+                for i, value in zip(part, values):
+                    self.out[i] = np.frombuffer(value, np.uint8)
+        return time.perf_counter() - began
+
+    def check(self) -> None:
+        assert np.array_equal(self.out, self.payload), "the raw client read back other bytes than it wrote"
+
+    def clear(self) -> None:
+        """Remove every value from the server, kvtier's too."""
+        if self.mooncake:
+            self.store._store.remove_all(True)
+        else:
+            self.store._client.flushdb()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _batches(num_blocks: int, batch: int) -> list[range]:
+    return [range(start, min(start + batch, num_blocks)) for start in range(0, num_blocks, batch)]
 
 
 def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
-    """The store's own client moving the same bytes, one value per block, no kvtier."""
-    out = np.zeros_like(payload)
-    put_times, get_times = [], []
-    if url.startswith("mooncake"):
-        from kvtier.tiers.mooncake import MooncakeClient
-        store = MooncakeClient(url, 30.0)
-        raw = store._store
-        for array in (payload, out):
-            raw.register_buffer(array.ctypes.data, array.nbytes)
-        size = payload.shape[1]
-        for round_ in range(repeats):
-            names = [f"bench/raw/{round_}/{i}" for i in range(len(payload))]
-            began = time.perf_counter()
-            for start in range(0, len(names), batch):
-                part = range(start, min(start + batch, len(names)))
-                codes = raw.batch_put_from([names[i] for i in part], [payload[i].ctypes.data for i in part],
-                                           [size] * len(part))
-                assert all(code == 0 for code in codes)
-            put_times.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            for start in range(0, len(names), batch):
-                part = range(start, min(start + batch, len(names)))
-                codes = raw.batch_get_into([names[i] for i in part], [out[i].ctypes.data for i in part],
-                                           [size] * len(part))
-                assert all(code == size for code in codes)
-            get_times.append(time.perf_counter() - began)
-    else:
-        from kvtier.tiers.redis import RedisClient
-        store = RedisClient(url, 30.0)
-        client = store._client
-        for round_ in range(repeats):
-            names = [f"bench/raw/{round_}/{i}" for i in range(len(payload))]
-            began = time.perf_counter()
-            for start in range(0, len(names), batch):
-                pipe = client.pipeline(transaction=False)
-                for i in range(start, min(start + batch, len(names))):
-                    pipe.set(names[i], memoryview(payload[i]))
-                pipe.execute()
-            put_times.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            for start in range(0, len(names), batch):
-                pipe = client.pipeline(transaction=False)
-                part = range(start, min(start + batch, len(names)))
-                for i in part:
-                    pipe.get(names[i])
-                for i, value in zip(part, pipe.execute()):
-                    out[i] = np.frombuffer(value, np.uint8)
-            get_times.append(time.perf_counter() - began)
-    assert np.array_equal(out, payload)
-    store.close()
-    return min(put_times), min(get_times)
+    """The raw client's best put and get of ``payload`` over ``repeats`` rounds."""
+    raw = _RawClient(url, payload)
+    best = {"put": float("inf"), "get": float("inf")}
+    for round_ in range(repeats):
+        for op in ("put", "get"):
+            raw.start(op)
+            best[op] = min(best[op], sum(raw.batch(op, round_, part) for part in _batches(len(payload), batch)))
+        raw.check()
+    raw.close()
+    return best["put"], best["get"]
+
+
+def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int) -> dict[str, float]:
+    """Seconds that kvtier's path and the raw client took to put, then get, every block ``repeats``
+    times. The two take turns batch by batch, each first in every other batch, so that both meet
+    the same machine: on these 2 cores the same batch's time moves by a third from one moment to
+    the next, and whole passes of one side after the other's gave ratios from 0.7x to 1x. Before
+    them, one round that is not counted; each round's values are removed before the next, so that
+    the counted rounds write into server memory already touched, as a pool that has run a while
+    (the first touch of fresh server memory made a round's puts 2 to 3 times slower here)."""
+    sides = {"tier": _TierPath(url, payload), "raw": _RawClient(url, payload)}
+    totals = {f"{side}_{op}": 0.0 for side in sides for op in ("put", "get")}
+    for round_ in range(repeats + 1):
+        for op in ("put", "get"):
+            for side in sides.values():
+                side.start(op)
+            for n, part in enumerate(_batches(len(payload), batch)):
+                for name in (("tier", "raw") if n % 2 == 0 else ("raw", "tier")):
+                    seconds = sides[name].batch(op, round_, part)
+                    if round_ > 0:  # round 0 warms both up
+                        totals[f"{name}_{op}"] += seconds
+        for side in sides.values():
+            side.check()
+        sides["raw"].clear()
+    for side in sides.values():
+        side.close()
+    return {name: seconds / repeats for name, seconds in totals.items()}
 
 
 def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repeats: int = 3) -> dict:
@@ -108,14 +163,11 @@ def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repea
     for name, context in (("mooncake", lambda: local_mooncake(storage="8GB")),
                           ("redis", lambda: local_redis(maxmemory="4gb"))):  # every round kept: no eviction
         with context() as server:
-            tier_put, tier_get = _tier_round_trip(server.url, payload, batch, repeats)
-            raw_put, raw_get = _raw_round_trip(server.url, payload, batch, repeats)
-        results.update({
-            f"{name}_put_gbps": payload.nbytes / tier_put / 1e9, f"{name}_get_gbps": payload.nbytes / tier_get / 1e9,
-            f"{name}_raw_put_gbps": payload.nbytes / raw_put / 1e9, f"{name}_raw_get_gbps": payload.nbytes / raw_get / 1e9,
-        })
-        results[f"{name}_put_vs_raw"] = results[f"{name}_put_gbps"] / results[f"{name}_raw_put_gbps"]
-        results[f"{name}_get_vs_raw"] = results[f"{name}_get_gbps"] / results[f"{name}_raw_get_gbps"]
+            seconds = _round_trips(server.url, payload, batch, repeats)
+        for op in ("put", "get"):
+            results[f"{name}_{op}_gbps"] = payload.nbytes / seconds[f"tier_{op}"] / 1e9
+            results[f"{name}_raw_{op}_gbps"] = payload.nbytes / seconds[f"raw_{op}"] / 1e9
+            results[f"{name}_{op}_vs_raw"] = seconds[f"raw_{op}"] / seconds[f"tier_{op}"]
     return results
 
 

@@ -7,17 +7,14 @@
 
 Zero-copy: the host pool and its header area are registered with the client, and
 entries move with the batch calls that write from and read into them. An entry is
-two objects: its block under ``<name>/kv`` and its header under ``<name>/header``,
-each moved from and into one buffer (``batch_put_from`` / ``batch_get_into``). Gets of
-one object per buffer ran at 1.2 to 1.6 times the speed of gets of both into their
-two buffers (``batch_get_into_multi_buffers``) on loopback here.
+one object, its header then its block, put from and got into the two buffers where
+they lie (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): one
+call per batch each way, as a raw client's. A put is whole or absent (Mooncake
+publishes an object once all of it is written), so an entry needs no second object
+to say that it is complete; a reader checks its header and checksum.
 
-The block is written first and only by the writer that created it (a put of a name
-already there is refused); its header is written after it, so a block counts as
-stored (``exists``) only once both are there, and a reader checks the pair's
-checksum. A header whose put fails has its block removed. A block whose header
-Mooncake evicted first is left to its own eviction (never read, it goes early):
-removing a block another writer created could pair its header with other bytes.
+An entry of another size (a foreign or truncated object) fails its get (the client
+logs it) and is a miss.
 """
 
 from __future__ import annotations
@@ -53,14 +50,6 @@ held_from_outside, write_record, read_records, release_outside = outside_calls(_
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
     return PoolStore(spec, rank_fingerprint, slot_bytes, _connector(spec))
-
-
-def _block(name: str) -> str:
-    return f"{name}/kv"
-
-
-def _header(name: str) -> str:
-    return f"{name}/header"
 
 
 def _address(view: memoryview) -> int:
@@ -100,43 +89,26 @@ class MooncakeClient(PoolClient):
             raise PoolUnavailable(f"mooncake register_buffer returned {code}")
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        codes = self._store.batch_is_exist([_header(n) for n in names] + [_block(n) for n in names])
+        codes = self._store.batch_is_exist(list(names))
         if any(code < 0 for code in codes):
             raise PoolUnavailable("mooncake batch_is_exist failed")
-        return [header == 1 and block == 1 for header, block in zip(codes[:len(names)], codes[len(names):])]
+        return [code == 1 for code in codes]
 
     def put(self, names, headers, payloads) -> list[bool]:
-        codes = self._store.batch_put_from([_block(n) for n in names], [_address(p) for p in payloads],
-                                           [len(p) for p in payloads])
-        written = [i for i, code in enumerate(codes) if code == 0]
-        if not written:
-            return [False] * len(names)
-        # After its block: a header names a block that is whole. Upserted: a header left by a block
-        # since evicted gives way to the one of the block just written.
-        header_codes = self._store.batch_upsert_from([_header(names[i]) for i in written],
-                                                     [_address(headers[i]) for i in written],
-                                                     [len(headers[i]) for i in written])
-        stored = [False] * len(names)
-        for i, code in zip(written, header_codes):
-            stored[i] = code == 0
-        orphans = [_block(names[i]) for i, code in zip(written, header_codes) if code != 0]
-        if orphans:
-            self._store.batch_remove(orphans)  # else no later put of that block could succeed
-        return stored
+        if not names:
+            return []
+        codes = self._store.batch_put_from_multi_buffers(
+            list(names), [[_address(h), _address(p)] for h, p in zip(headers, payloads)],
+            [[len(h), len(p)] for h, p in zip(headers, payloads)])
+        return [code == 0 for code in codes]  # 0 too where the entry was there already: it is stored
 
     def get_into(self, names, headers, payloads) -> list[bool]:
-        # Two calls, headers first: one call mixing both sizes of object ran at 0.6x of a get of the
-        # blocks alone here; two calls of one size each, at 0.9x to 1x.
-        codes = self._store.batch_get_into([_header(n) for n in names], [_address(h) for h in headers],
-                                           [len(h) for h in headers])
-        found = [i for i, (code, header) in enumerate(zip(codes, headers)) if code == len(header)]
-        block_codes = self._store.batch_get_into([_block(names[i]) for i in found],
-                                                 [_address(payloads[i]) for i in found],
-                                                 [len(payloads[i]) for i in found]) if found else []
-        whole = [False] * len(names)
-        for i, code in zip(found, block_codes):
-            whole[i] = code == len(payloads[i])
-        return whole
+        if not names:
+            return []
+        codes = self._store.batch_get_into_multi_buffers(
+            list(names), [[_address(h), _address(p)] for h, p in zip(headers, payloads)],
+            [[len(h), len(p)] for h, p in zip(headers, payloads)])
+        return [code == len(h) + len(p) for code, h, p in zip(codes, headers, payloads)]
 
     def close(self) -> None:
         self._store.close()
