@@ -57,12 +57,55 @@ def test_damaged_entries_are_misses(disk_dir, damage, reason):
 
 
 def test_a_write_cut_short_is_a_miss_not_a_block(disk_dir):
-    """The payload goes first and the header last: a place with a new payload under its old
-    header, or with part of a new payload, fails its checksum."""
+    """Whatever part of a rewrite of a place lands, the place fails its checksum: its old
+    header over part of the new payload, or the new header over part of it."""
     store = DiskStore(disk_dir, FP, SLOT)
     store.write(key(1), memoryview(payload(1)), 0)
-    os.pwrite(os.open(entries_file(disk_dir, FP), os.O_WRONLY), payload(2)[: SLOT // 2].tobytes(), HEADER_BYTES)
+    fd = os.open(entries_file(disk_dir, FP), os.O_RDWR)
+    os.pwrite(fd, payload(2)[: SLOT // 2].tobytes(), HEADER_BYTES)
     assert "checksum" in read(store, 1, 0)[0]
+    store.write(key(2), memoryview(payload(2)), 1)
+    new_header = os.pread(fd, HEADER_BYTES, ENTRY)
+    os.pwrite(fd, new_header, 0)  # place 0: key 2's header over half of key 2's payload
+    assert "checksum" in read(store, 2, 0)[0]
+    assert read(store, 2, 1)[0] is None
+    os.close(fd)
+
+
+def test_a_job_is_written_in_runs_of_consecutive_places(disk_dir):
+    """Consecutive places go in one vectored write, scattered ones apart; every entry, from any
+    host slot, reads back byte-exact, and a run is cut at RUN_BYTES."""
+    from kvtier.tiers import disk
+
+    store = DiskStore(disk_dir, FP, SLOT)
+    store.attach(np.stack([payload(i) for i in range(12)]))
+    places = [3, 4, 5, 6, 9, 2, 10, 11, 0, 1, 7, 8]
+    slots = [11, 0, 5, 2, 7, 1, 3, 9, 4, 6, 8, 10]  # scattered host slots, as a worker's are
+    assert disk._runs(places, ENTRY) == [(0, 4), (4, 5), (5, 6), (6, 8), (8, 10), (10, 12)]
+    assert disk._runs(list(range(10)), disk.RUN_BYTES // 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert disk._runs([5], 10 * disk.RUN_BYTES) == [(0, 1)]
+    assert store.write_from([key(i) for i in range(12)], slots, places, 0) == [None] * 12
+    for i, (slot, place) in enumerate(zip(slots, places)):
+        why, out = read(store, i, place)
+        assert why is None and np.array_equal(out, payload(slot))
+
+
+def test_a_run_cut_by_a_file_size_limit_fails_with_efbig(disk_dir):
+    """A vectored write that stops short is continued, so that a limit in the middle of a run
+    raises its own errno (EFBIG past RLIMIT_FSIZE), never passes for a whole write; the entries
+    before the run stay readable."""
+    code = ("import numpy as np, resource, signal, sys; from kvtier.tiers.disk import DiskStore;"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+            f"store = DiskStore(sys.argv[1], {FP!r}, {SLOT});"
+            f"store.attach(np.full((4, {SLOT}), 7, np.uint8));"
+            "keys = [i.to_bytes(16, 'little') for i in range(4)];"
+            "assert store.write_from(keys[:1], [0], [0], 0) == [None];"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({ENTRY} * 2 + 100, {ENTRY} * 2 + 100));"
+            "reasons = store.write_from(keys[1:], [1, 2, 3], [1, 2, 3], 0);"
+            "print(reasons); assert all('EFBIG' in r for r in reasons), reasons")
+    subprocess.run([sys.executable, "-c", code, disk_dir], check=True)
+    why, out = read(DiskStore(disk_dir, FP, SLOT), 0, 0)
+    assert why is None and (out == 7).all()
 
 
 def test_a_new_process_finds_the_entries_again(disk_dir):

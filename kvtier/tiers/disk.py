@@ -2,11 +2,12 @@
 
 Each rank's entries live in one preallocated, sparse file,
 ``<disk_dir>/<rank fingerprint hex>/entries-<n>.kvtier``, cut into fixed-size places
-of one ``kvtier.entry`` each (a 64-byte header, then the slot's bytes). A place is
-written with two positioned writes, the payload first and the header last: until
-the header lands, the place still carries its previous header, whose checksum
-the new payload fails, so a torn or interrupted write is a miss, never a block.
-No file is created per block: a write costs what the bytes cost.
+of one ``kvtier.entry`` each (a 64-byte header, then the slot's bytes). The entries of
+a job that fall in consecutive places go to the file in one positioned, vectored write
+(headers and payloads from where they lie, about 4 MiB per call), as a plain file is
+written. The checksum in a header covers its payload: a torn or interrupted write
+(any mix of an old and a new header and payload) fails it, so it is a miss, never a
+block. No file is created per block: a write costs what the bytes cost.
 
 The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which key is in which place (found again
@@ -284,15 +285,37 @@ def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequen
     return held.intersection(keys)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset``: a short write is continued, so that a full device
+RUN_BYTES = 4 << 20  # at most one vectored write: a job's size (``kvtier.worker.jobs``)
+RUN_ENTRIES = 512  # two buffers each: within IOV_MAX (1,024 on Linux)
+
+
+def _runs(locations: Sequence[int], entry_bytes: int) -> list[tuple[int, int]]:
+    """[first, end) index ranges of ``locations`` that are consecutive places of one file, each at
+    most ``RUN_BYTES`` (one entry at least) and ``RUN_ENTRIES`` long."""
+    per_run = max(1, min(RUN_ENTRIES, RUN_BYTES // entry_bytes))
+    runs, first = [], 0
+    for i in range(1, len(locations) + 1):
+        if i == len(locations) or locations[i] != locations[i - 1] + 1 or i - first == per_run:
+            runs.append((first, i))
+            first = i
+    return runs
+
+
+def _pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write all of ``buffers`` at ``offset``: a short write is continued, so that a full device
     raises its own errno (ENOSPC) rather than passing for a write."""
-    done = 0
-    while done < len(data):
-        written = os.pwrite(fd, data[done:], offset + done)
+    left = sum(b.nbytes for b in buffers)
+    first = 0
+    while left:
+        written = os.pwritev(fd, buffers[first:] if first else buffers, offset)
         if written == 0:
-            raise OSError(f"no progress writing at {offset + done}")
-        done += written
+            raise OSError(f"no progress writing at {offset}")
+        offset, left = offset + written, left - written
+        while left and written >= buffers[first].nbytes:  # a short write: on from where it stopped
+            written -= buffers[first].nbytes
+            first += 1
+        if left and written:
+            buffers[first] = buffers[first][written:]
 
 
 def _written_places(fd: int, entry_bytes: int, capacity: int):
@@ -328,8 +351,11 @@ class DiskStore(TierStore):
                 for key, slot, location in zip(keys, slot_ids, locations)]
 
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return [self._write_guarded(key, memoryview(self.host[slot]), location)
-                for key, slot, location in zip(keys, slot_ids, locations)]
+        reasons: list[str | None] = []
+        for first, end in _runs(locations, self.entry_bytes):
+            reasons += self._write_guarded(keys[first:end], [memoryview(self.host[s]) for s in slot_ids[first:end]],
+                                           locations[first])
+        return reasons
 
     def _read_guarded(self, key: bytes, out: memoryview, location: int) -> str | None:
         try:
@@ -337,14 +363,14 @@ class DiskStore(TierStore):
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
-    def _write_guarded(self, key: bytes, payload: memoryview, location: int) -> str | None:
+    def _write_guarded(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int) -> list[str | None]:
         if skipped := self.back_off.skipped():
-            return skipped
+            return [skipped] * len(keys)
         try:
-            self.write(key, payload, location)
-            return None
-        except Exception as error:
-            return self.back_off.failed(error)
+            self.write_run(keys, payloads, location)
+            return [None] * len(keys)
+        except Exception as error:  # the run's places may hold part of it: each fails its checksum
+            return [self.back_off.failed(error)] * len(keys)
 
     def _file(self, location: int) -> tuple[int, int]:
         """(descriptor, byte offset) of a location. The index made and sized the file, and locks
@@ -359,12 +385,19 @@ class DiskStore(TierStore):
         return fd, place * self.entry_bytes
 
     def write(self, key: bytes, payload: memoryview, location: int) -> None:
-        """Write one entry into its place: the payload, then the header that makes it valid."""
+        """Write one entry into its place."""
+        self.write_run([key], [payload], location)
+
+    def write_run(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int) -> None:
+        """Write entries into consecutive places from ``location`` on, in one vectored write."""
         fd, offset = self._file(location)
-        header = encode_header(self.rank_fingerprint, key, payload, self.mac_key)
-        _pwrite_all(fd, payload, offset + HEADER_BYTES)
-        # Header last: before this, the place's old header does not match the new payload.
-        _pwrite_all(fd, memoryview(header), offset)
+        buffers = []
+        for key, payload in zip(keys, payloads):
+            payload = memoryview(payload).cast("B")  # lengths and short-write slices in bytes
+            # Header, then payload, as the place holds them. Either may land first or alone: the
+            # header's checksum covers the payload, so any mix of old and new bytes is a miss.
+            buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key)), payload]
+        _pwritev_all(fd, buffers, offset)
 
     def read(self, key: bytes, out: memoryview, location: int) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss.
