@@ -303,14 +303,19 @@ def _runs(locations: Sequence[int], entry_bytes: int) -> list[tuple[int, int]]:
 
 def _pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
     """Write all of ``buffers`` at ``offset``: a short write is continued, so that a full device
-    raises its own errno (ENOSPC) rather than passing for a write."""
+    raises its own errno (ENOSPC) rather than passing for a write. The error carries the bytes
+    written before it (``written``)."""
     left = sum(b.nbytes for b in buffers)
-    first = 0
+    first = done = 0
     while left:
-        written = os.pwritev(fd, buffers[first:] if first else buffers, offset)
-        if written == 0:
-            raise OSError(f"no progress writing at {offset}")
-        offset, left = offset + written, left - written
+        try:
+            written = os.pwritev(fd, buffers[first:] if first else buffers, offset)
+            if written == 0:
+                raise OSError(f"no progress writing at {offset}")
+        except OSError as error:
+            error.written = done
+            raise
+        offset, left, done = offset + written, left - written, done + written
         while left and written >= buffers[first].nbytes:  # a short write: on from where it stopped
             written -= buffers[first].nbytes
             first += 1
@@ -369,8 +374,11 @@ class DiskStore(TierStore):
         try:
             self.write_run(keys, payloads, location)
             return [None] * len(keys)
-        except Exception as error:  # the run's places may hold part of it: each fails its checksum
-            return [self.back_off.failed(error)] * len(keys)
+        except Exception as error:
+            # The entries wholly written before the error (a full device) are stored; the place
+            # where it stopped may hold part of an entry, which fails its checksum.
+            whole = getattr(error, "written", 0) // self.entry_bytes
+            return [None] * whole + [self.back_off.failed(error)] * (len(keys) - whole)
 
     def _file(self, location: int) -> tuple[int, int]:
         """(descriptor, byte offset) of a location. The index made and sized the file, and locks
