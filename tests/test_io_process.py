@@ -290,3 +290,60 @@ def test_frames_read_in_pieces_of_any_size_come_out_whole_and_in_order(outcomes,
         if at >= len(stream):
             break
     assert got == messages
+
+
+def test_a_read_is_taken_before_the_writes_queued_ahead_of_it(tmp_path):
+    """Six large write jobs, then one read: the read waits only for a thread to come free, not for
+    the writes queued before it (in arrival order it would come after five of them)."""
+    import threading
+
+    from kvtier.bench.io_path import IOPath
+    from kvtier.tiers.base import TierSpec
+
+    spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), threads=2,
+                    options={"write": True, "entry_key_file": None})
+    blocks, slot_bytes = 24, 1 << 20
+    path = IOPath(spec, 1 + 6 * blocks, slot_bytes)
+    try:
+        path.slots[:] = np.random.default_rng(3).integers(0, 256, path.slots.shape, dtype=np.uint8)
+        stored = path.slots[0].copy()
+        path.job(True, keys_of([10_000]), [0])
+        path.slots[0] = 0
+        answers, all_in = [], threading.Semaphore(0)
+
+        def answered(name):
+            def done(reasons):
+                answers.append((name, reasons))
+                all_in.release()
+            return done
+
+        for job in range(6):
+            slots = list(range(1 + job * blocks, 1 + (job + 1) * blocks))
+            path.io.submit(spec.name, True, keys_of(slots), slots, slots, time.monotonic() + 60, answered(job))
+        path.io.submit(spec.name, False, keys_of([10_000]), [0], [0], time.monotonic() + 60, answered("read"))
+        for _ in range(7):
+            assert all_in.acquire(timeout=60)
+        assert all(reason is None for _, reasons in answers for reason in reasons)
+        assert np.array_equal(path.slots[0], stored)
+        order = [name for name, _ in answers]
+        assert order.index("read") <= 2, order  # behind at most the two writes running when it came
+    finally:
+        path.close()
+
+
+def test_a_pool_store_connects_when_its_process_starts_not_at_its_first_job():
+    from redis import Redis
+
+    from kvtier.io.client import IOProcess
+    from kvtier.servers import local_redis
+    from kvtier.tiers.base import TierSpec
+
+    with local_redis() as server:
+        observer = Redis.from_url(server.url)
+        before = len(observer.client_list())
+        io = IOProcess(None, [TierSpec("redis", "kvtier.tiers.redis", server.url)], b"\x01" * 16, 64, 0)
+        try:
+            assert _wait_until(lambda: len(observer.client_list()) > before, 10), "no connection before a job"
+        finally:
+            io.close(5.0)
+            observer.close()

@@ -152,6 +152,11 @@ class TierStore(ABC):
 
     num_down = 0  # times the store's client was marked down (a storage pool)
 
+    def connect(self) -> None:
+        """Called once, on a thread of its own, when the I/O process is up: a store with a client
+        connects it here, so that the first job does not wait for it."""
+        return None
+
     def exists(self, names: Sequence[str]) -> list[bool] | None:
         """For a store that other instances write too (a storage pool), asked by its index through a
         lookup process: whether each name is stored; None if the store could not ask."""
