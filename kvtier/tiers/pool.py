@@ -169,15 +169,21 @@ class GuardedClient:
     def connect(self) -> None:
         """Connect now rather than in the first call: a Mooncake client's setup took 80 to 90 ms here,
         which the first job of a new process waited for. A failure marks the pool down, as a call's would."""
+        lease = self._try_acquire()
+        if lease is not None:
+            self._release(lease)
+
+    def _try_acquire(self) -> _Lease | None:
+        """A lease, or None: busy (``max_calls`` in flight, or a connect taking too long), down, or
+        the connect failed (which marks the pool down)."""
         try:
-            lease = self._acquire()
-        except _Busy:  # connecting already, or calls in flight: connected either way
-            return
+            return self._acquire()
+        except _Busy:
+            return None
         except Exception as error:  # down, or the connect failed
             if self.available:
                 self.mark_down(error)
-            return
-        self._release(lease)
+            return None
 
     def _release(self, lease: _Lease) -> None:
         with self._lock:
@@ -222,13 +228,8 @@ class GuardedClient:
         """``client.<method>(*args)``, or None if the pool is down, busy, or the call failed."""
         self._mark_down_if_overdue()
         call_id = next(self._call_ids)
-        try:
-            lease = self._acquire()
-        except _Busy:
-            return None
-        except Exception as error:  # down, or the connect failed
-            if self.available:
-                self.mark_down(error)
+        lease = self._try_acquire()
+        if lease is None:
             return None
         try:
             began = self._started[call_id] = time.monotonic()
