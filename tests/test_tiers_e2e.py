@@ -75,6 +75,7 @@ def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(wo
     if layout == "in_process":  # kvtier's state can be read in this layout
         assert second["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
         assert second["kvtier"]["verify_failures"] == 0 and second["kvtier"]["host_pins"] == 0
+        assert second["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
 
 
 def test_an_idle_engines_last_request_is_in_the_tiers_within_a_second(workdir, model, tmp_path):

@@ -69,6 +69,8 @@ def test_a_prompt_served_twice_is_loaded_the_second_time(first_process, referenc
     assert cold["cached"] == 0
     assert warm["cached"] == (1000 // BLOCK) * BLOCK  # every full block came from kvtier
     assert warm["tokens"] == cold["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    # vLLM let go of every request: each finished request's blocks were released to it.
+    assert first_process["kvtier"]["engine_requests"] == 0
 
 
 def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(first_process, reference):
@@ -190,6 +192,8 @@ def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):
     cold, warm = result["phases"][0]["outputs"]["0"], result["phases"][1]["outputs"]["0"]
     assert warm["cached"] == (1000 // BLOCK) * BLOCK
     assert warm["tokens"] == cold["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    # vLLM let go of every request: each finished request's blocks were released to it.
+    assert result["kvtier"]["engine_requests"] == 0
     expected = reference["phases"][1]["outputs"]
     for phase in result["phases"][2:]:
         for req_id, out in phase["outputs"].items():

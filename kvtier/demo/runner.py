@@ -93,6 +93,8 @@ def kvtier_state(llm) -> dict:
         "tier_pins": sum(getattr(t, "num_pins", 0) for t in manager.tiers),
         "pending_jobs": manager.num_pending,
         "tracked_requests": scheduler.num_tracked_requests,
+        # vLLM's own: a finished request whose blocks kvtier never released stays here.
+        "engine_requests": len(llm.llm_engine.engine_core.engine_core.scheduler.requests),
         "stats": {name: dict(value) if isinstance(value, dict) else value for name, value in vars(manager.stats).items()},
         **({} if worker is None else {  # None: tensor parallel, the workers are other processes
             "worker_jobs_in_flight": worker.tier_worker.num_jobs_in_flight,

@@ -8,6 +8,11 @@
   on restore; host slots, disk and pool keep their blocks. Earlier releases never
   call these hooks.
 
+- 0.30 calls ``wait_for_save`` only in steps with a forward; later releases call it
+  in every step. A finished request's send wait often arrives in a step without
+  one, so the worker takes send waits in ``start_load_kv``, which every release
+  calls in every step (else vLLM 0.30 held the request and its blocks for good).
+
 ``check_vllm`` runs when the connector is built: a vLLM outside the tested releases
 gets one warning naming both; one that lacks a hook kvtier needs stops start-up with
 a message naming the hook. ``kvtier vllm-api WHEEL`` reads a release that is not

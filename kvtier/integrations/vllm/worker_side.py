@@ -91,6 +91,10 @@ class WorkerSide:
                 yield job
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        # Send waits are taken here, the one hook every step calls (vLLM 0.30 skips wait_for_save
+        # in a step without a forward, and a finished request's wait often comes in one). Their
+        # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
+        self._send_waits.update(meta.send_waits)
         self._step_layer_loads, self._step_layer_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
@@ -138,7 +142,6 @@ class WorkerSide:
         if self.config.layerwise and submitted:
             # Every layer of this step is copied before the next step may overwrite anything.
             self.tier_worker.wait_for_device_reads(submitted, self.config.load_timeout_s)
-        self._send_waits.update(meta.send_waits)
         if self.is_producer and submitted:
             # Prefill/decode hand-off: this step's output (the first token) leaves only once
             # its blocks are durable in the pool, so the decode instance finds them. Bounded.
