@@ -174,6 +174,11 @@ KEYS: dict[str, _Key] = {
     "load_timeout_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "A load whose disk or pool reads take longer is abandoned: its blocks are recomputed."),
+    "idle_step_wait_s": _Key(
+        0.002, _parse_float, lambda v: 0 <= v <= 0.1, "a number of seconds in [0, 0.1]",
+        "In an engine step that computes nothing while a load is in flight, the engine's thread waits this "
+        "long at most for a job to finish instead of stepping again at once, leaving the CPU to kvtier's I/O "
+        "(a new request waits as long at most). 0: never waits."),
     "shutdown_flush_s": _Key(
         10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600]",
         "At a clean shutdown, how long kvtier's I/O process may take to finish the disk and pool writes "
@@ -228,6 +233,7 @@ class KVTierConfig:
     remote_ttl_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float
+    idle_step_wait_s: float
     shutdown_flush_s: float
     load_failure_policy: str
     verify_loads: bool

@@ -160,6 +160,40 @@ def test_a_restart_serves_from_disk(disk_dir):
     second.close()
 
 
+def test_an_idle_engine_step_waits_for_a_load_instead_of_stepping_again(disk_dir):
+    """``wait_for_a_load`` (a vLLM step that computes nothing) returns when a load finishes, not at its
+    bound, and at once when no load is in flight or one has finished but is not taken yet."""
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    first = Engine(tensors, disk_dir)
+    first.store(keys_of(range(8)), list(range(1, 9)))
+    first.close()
+    second = Engine([torch.zeros_like(t) for t in tensors], disk_dir)
+    began = time.monotonic()
+    second.worker.wait_for_a_load(10.0)
+    assert time.monotonic() - began < 5.0, "waited with no load in flight"
+    job = second.manager.plan_load("r", keys_of(range(8)), list(range(20, 28)))
+    assert job is not None and job.fill_keys, "the load reads disk"
+    second.worker.submit_load(job)
+    began = time.monotonic()
+    reports = []
+    while not reports:
+        second.worker.wait_for_a_load(10.0)
+        reports = second.worker.poll()
+    assert time.monotonic() - began < 5.0, "waited for the bound, not for the load"
+    assert reports[0].success and not reports[0].failed_block_ids
+    second.manager.on_reports(reports)
+    job = second.manager.plan_load("r", keys_of(range(8)), list(range(30, 38)))  # from host slots now
+    second.worker.submit_load(job)
+    while not second.worker.book.has_finished:
+        time.sleep(0.001)
+    began = time.monotonic()
+    second.worker.wait_for_a_load(10.0)
+    assert time.monotonic() - began < 5.0, "waited although a job had finished"
+    assert second.worker.poll()[0].success
+    second.close()
+
+
 def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir, chunks):
     """Many requests store and load at once; some are abandoned midway by the engine.
 

@@ -123,6 +123,7 @@ class IOProcess:
         self._sock: socket.socket | None = None
         self._channel: _Channel | None = None
         self._last_pump = 0.0  # when the engine's step last took answers (pump)
+        self._engine_waiting = threading.Event()  # the engine's thread waits for answers: take them at once
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
         self._start()
@@ -211,12 +212,20 @@ class IOProcess:
             if time.monotonic() - self._last_pump < PUMP_GRACE_S:
                 # The engine is stepping: its next step takes the answer (and copies it on the core
                 # its busy loop holds anyway), leaving the other cores to the I/O process.
-                time.sleep(PUMP_GRACE_S)
+                self._engine_waiting.wait(PUMP_GRACE_S)  # at once if the engine's thread waits meanwhile
             messages, gone = channel.read(blocking=True)
             self._dispatch(messages)
             if gone:
                 self._on_exit(channel)
                 return
+
+    def engine_waits(self, waiting: bool) -> None:
+        """The engine's thread is waiting for answers (``True``) or stepping again (``False``): while it
+        waits, the receiver thread takes them as they arrive."""
+        if waiting:
+            self._engine_waiting.set()
+        else:
+            self._engine_waiting.clear()
 
     def pump(self) -> None:
         """Take the answers that have arrived, on the caller's thread (the engine's step): while the

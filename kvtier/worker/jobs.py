@@ -124,6 +124,10 @@ class JobBook:
     def release(self, slot_ids) -> None:  # under the lock
         self._released += slot_ids
 
+    @property
+    def has_finished(self) -> bool:  # under the lock
+        return bool(self._finished)
+
     def take_finished(self) -> list[JobReport]:
         with self.lock:
             finished, self._finished = self._finished, []

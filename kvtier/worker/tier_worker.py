@@ -141,6 +141,21 @@ class TierWorker:
         finished = self.book.take_finished()
         return finished + (self.replicated.poll() if self.replicated is not None else [])
 
+    def wait_for_a_load(self, timeout_s: float) -> None:
+        """Wait until a job finishes, at most ``timeout_s``, if a load is in flight and nothing has
+        finished yet (an engine step with nothing to compute). The I/O process's answers are taken by
+        the receiver thread meanwhile, each chunk copied as it lands."""
+        with self.book.lock:
+            if timeout_s <= 0 or not self.book.loads or self.book.has_finished:
+                return
+            if self.io is not None:
+                self.io.engine_waits(True)
+            try:
+                self.book.changed.wait(timeout_s)
+            finally:
+                if self.io is not None:
+                    self.io.engine_waits(False)
+
     def released_slots(self) -> list[int]:
         """Held slots whose late reads have returned since the last call."""
         return self.book.take_released()

@@ -23,6 +23,8 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted_store_job_ids: list[int] = field(default_factory=list)
     # Finished requests whose blocks vLLM keeps until these store jobs have read them.
     send_waits: dict[str, list[int]] = field(default_factory=dict)
+    # The step computes nothing (every request waits, for its KV or otherwise).
+    idle: bool = False
 
 
 @dataclass

@@ -222,7 +222,8 @@ class SchedulerSide:
             if state is None or self.manager is None or not self.stores_enabled or self._unsupported(state.request):
                 continue
             store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
-        meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits)
+        meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits,
+                              idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
         return meta
 

@@ -37,6 +37,7 @@ class WorkerSide:
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
         self._send_waits: dict[str, list[int]] = {}
+        self._idle_step = False  # this step computes nothing
         self._reports = []
         self._load_error_block_ids: set[int] = set()
 
@@ -95,6 +96,7 @@ class WorkerSide:
         # in a step without a forward, and a finished request's wait often comes in one). Their
         # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
         self._send_waits.update(meta.send_waits)
+        self._idle_step = meta.idle
         self._step_layer_loads, self._step_layer_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
@@ -156,6 +158,10 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_recving: set[str] = set()
+        if self._idle_step and self.tier_worker is not None:
+            # Nothing to compute: the engine would step again at once, a busy loop on a core that
+            # kvtier's I/O process needs for the loads it waits for. It waits for one instead, bounded.
+            self.tier_worker.wait_for_a_load(self.config.idle_step_wait_s)
         for report in self.tier_worker.poll() if self.tier_worker is not None else ():
             self._reports.append(report)
             self._submitted_job_ids.discard(report.job_id)
