@@ -181,6 +181,7 @@ def test_an_idle_engine_step_waits_for_a_load_instead_of_stepping_again(disk_dir
         second.worker.wait_for_a_load(10.0)
         reports = second.worker.poll()
     assert time.monotonic() - began < 5.0, "waited for the bound, not for the load"
+    assert second.worker.num_idle_waits >= 1
     assert reports[0].success and not reports[0].failed_block_ids
     second.manager.on_reports(reports)
     job = second.manager.plan_load("r", keys_of(range(8)), list(range(30, 38)))  # from host slots now

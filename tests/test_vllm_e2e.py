@@ -115,6 +115,9 @@ def test_a_new_process_serves_the_prefix_from_disk(restarted_process, reference)
     assert out["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
     assert restarted_process["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == (1000 // BLOCK) * BLOCK
     assert restarted_process["kvtier"]["verify_failures"] == 0
+    # The step that sent the load computed nothing: vLLM's thread waited for the load there
+    # (idle_step_wait_s) rather than stepping again at once.
+    assert restarted_process["kvtier"]["idle_waits"] > 0
 
 
 def test_a_corrupt_disk_entry_is_recomputed_and_counted(workdir, model, restarted_process, reference):

@@ -102,6 +102,7 @@ def kvtier_state(llm) -> dict:
             "open_send_waits": worker.num_send_waits,
             "verify_failures": worker.tier_worker.num_verify_failures,
             "io_restarts": worker.tier_worker.io.num_exits if worker.tier_worker.io is not None else 0,
+            "idle_waits": worker.tier_worker.num_idle_waits,
         }),
     }
 

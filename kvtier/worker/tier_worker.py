@@ -78,6 +78,7 @@ class TierWorker:
         self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.layout.slot_bytes,
                                 self.is_source, self.verifier,
                                 abandon_s=config.load_timeout_s + config.remote_timeout_s)
+        self.num_idle_waits = 0  # engine steps that waited for a load (wait_for_a_load)
         self._closed = False
         self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
         self._progress.start()
@@ -148,6 +149,7 @@ class TierWorker:
         with self.book.lock:
             if timeout_s <= 0 or not self.book.loads or self.book.has_finished:
                 return
+            self.num_idle_waits += 1
             if self.io is not None:
                 self.io.engine_waits(True)
             try:
