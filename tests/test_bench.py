@@ -31,6 +31,7 @@ def test_bench_tiers_reports_every_promised_key(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--quick", "--tiers", "disk",
                           "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, check=True)
     tier = json.loads(out.stdout)["tiers"]["disk"]
-    for key in ("hit_ttft_s", "own_prefix_cache_ttft_s", "raw_read_gbps", "floor_s", "hit_vs_floor"):
+    for key in ("hit_ttft_s", "own_prefix_cache_ttft_s", "raw_read_gbps", "floor_s", "hit_vs_floor",
+                "raw_read_after_pause_gbps", "hit_vs_floor_after_pause"):
         assert tier[key] > 0, key
     assert tier["blocks_served_fraction"] == 1.0 and tier["tier_hit_tokens"] > 0

@@ -117,13 +117,16 @@ def _batches(num_blocks: int, batch: int) -> list[range]:
     return [range(start, min(start + batch, num_blocks)) for start in range(0, num_blocks, batch)]
 
 
-def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
-    """The raw client's best put and get of ``payload`` over ``repeats`` rounds."""
+def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int,
+                    pause_before_get_s: float = 0.0) -> tuple[float, float]:
+    """The raw client's best put and get of ``payload`` over ``repeats`` rounds (each get after
+    ``pause_before_get_s`` idle)."""
     raw = _RawClient(url, payload)
     best = {"put": float("inf"), "get": float("inf")}
     for round_ in range(repeats):
         for op in ("put", "get"):
             raw.start(op)
+            time.sleep(pause_before_get_s if op == "get" else 0.0)
             best[op] = min(best[op], sum(raw.batch(op, round_, part) for part in _batches(len(payload), batch)))
         raw.check()
     raw.close()
