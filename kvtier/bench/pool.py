@@ -117,20 +117,24 @@ def _batches(num_blocks: int, batch: int) -> list[range]:
     return [range(start, min(start + batch, num_blocks)) for start in range(0, num_blocks, batch)]
 
 
-def _raw_round_trip(url: str, payload: np.ndarray, batch: int, repeats: int,
-                    pause_before_get_s: float = 0.0) -> tuple[float, float]:
-    """The raw client's best put and get of ``payload`` over ``repeats`` rounds (each get after
-    ``pause_before_get_s`` idle)."""
+def raw_reads(url: str, payload: np.ndarray, batch: int, pauses: list[float], repeats: int = 3) -> list[float]:
+    """The raw client's best get of ``payload`` over ``repeats`` gets after each pause in ``pauses``
+    (seconds idle before each get); the payload is put once, by the same client."""
     raw = _RawClient(url, payload)
-    best = {"put": float("inf"), "get": float("inf")}
-    for round_ in range(repeats):
-        for op in ("put", "get"):
-            raw.start(op)
-            time.sleep(pause_before_get_s if op == "get" else 0.0)
-            best[op] = min(best[op], sum(raw.batch(op, round_, part) for part in _batches(len(payload), batch)))
-        raw.check()
+    parts = _batches(len(payload), batch)
+    for part in parts:
+        raw.batch("put", 0, part)
+    best = []
+    for pause_s in pauses:
+        times = []
+        for _ in range(repeats):
+            raw.start("get")
+            time.sleep(pause_s)
+            times.append(sum(raw.batch("get", 0, part) for part in parts))
+            raw.check()
+        best.append(min(times))
     raw.close()
-    return best["put"], best["get"]
+    return best
 
 
 def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int) -> dict[str, float]:

@@ -48,41 +48,44 @@ def _tier(kind: str, workdir: Path):
         root = (workdir / f"tier-{kind}").resolve()
         shutil.rmtree(root, ignore_errors=True)
         yield ({**base, "disk_dir": str(root)} if kind == "disk" else {**base, "remote_url": f"file://{root}"},
-               lambda blocks, size, pause_s: _raw_file_read(root.parent, blocks, size, pause_s))
+               lambda blocks, size, pauses: _raw_file_reads(root.parent, blocks, size, pauses))
         return
     context = local_redis() if kind == "redis" else local_mooncake(storage="4GB")
     with context as server:
         yield ({**base, "remote_url": server.url},
-               lambda blocks, size, pause_s: _raw_pool_read(server.url, blocks, size, pause_s))
+               lambda blocks, size, pauses: _raw_pool_reads(server.url, blocks, size, pauses))
 
 
-def _raw_file_read(near: Path, blocks: int, size: int, pause_s: float, repeats: int = 3) -> float:
-    """Seconds to read ``blocks`` files of ``size`` bytes with plain reads (best of ``repeats``, each
-    after ``pause_s`` idle), each into a place of its own in one buffer, as the raw pool clients read
-    (and as a load must land them)."""
+def _raw_file_reads(near: Path, blocks: int, size: int, pauses: list[float], repeats: int = 3) -> list[float]:
+    """Seconds to read ``blocks`` files of ``size`` bytes with plain reads, the best of ``repeats``
+    reads after each pause in ``pauses`` (seconds idle before each read), each file into a place of
+    its own in one buffer, as the raw pool clients read (and as a load must land them)."""
     payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     out = np.empty((blocks, size), np.uint8)
+    best = []
     with tempfile.TemporaryDirectory(dir=near, prefix="raw-") as root:
         paths = [os.path.join(root, f"{i:06d}") for i in range(blocks)]
         for path in paths:
             with open(path, "wb") as file:
                 file.write(payload)
-        times = []
-        for _ in range(repeats):
-            time.sleep(pause_s)
-            began = time.perf_counter()
-            for path, place in zip(paths, out):
-                with open(path, "rb", buffering=0) as file:
-                    file.readinto(place)
-            times.append(time.perf_counter() - began)
-    return min(times)
+        for pause_s in pauses:
+            times = []
+            for _ in range(repeats):
+                time.sleep(pause_s)
+                began = time.perf_counter()
+                for path, place in zip(paths, out):
+                    with open(path, "rb", buffering=0) as file:
+                        file.readinto(place)
+                times.append(time.perf_counter() - began)
+            best.append(min(times))
+    return best
 
 
-def _raw_pool_read(url: str, blocks: int, size: int, pause_s: float, repeats: int = 3) -> float:
-    from kvtier.bench.pool import _raw_round_trip
+def _raw_pool_reads(url: str, blocks: int, size: int, pauses: list[float]) -> list[float]:
+    from kvtier.bench.pool import raw_reads
 
     payload = np.random.default_rng(0).integers(0, 256, (blocks, size), dtype=np.uint8)
-    return _raw_round_trip(url, payload, batch=blocks, repeats=repeats, pause_before_get_s=pause_s)[1]
+    return raw_reads(url, payload, blocks, pauses)
 
 
 def main(args) -> dict:
@@ -112,8 +115,9 @@ def main(args) -> dict:
             prompt_bytes = hit["kvtier_delta"]["load_bytes"] / len(prompts)
             blocks = full_tokens // BLOCK
             entry_bytes = int(prompt_bytes // blocks) + HEADER_BYTES
-            raw_gbps = blocks * entry_bytes / raw_read(blocks, entry_bytes, 0.0) / 1e9
-            paused_gbps = blocks * entry_bytes / raw_read(blocks, entry_bytes, own_ttft) / 1e9
+            back_to_back_s, paused_s = raw_read(blocks, entry_bytes, [0.0, own_ttft])
+            raw_gbps = blocks * entry_bytes / back_to_back_s / 1e9
+            paused_gbps = blocks * entry_bytes / paused_s / 1e9
         floor = own_ttft + prompt_bytes / (raw_gbps * 1e9)
         paused_floor = own_ttft + prompt_bytes / (paused_gbps * 1e9)
         served = [out["cached"] / full_tokens for out in hit["outputs"].values()]
