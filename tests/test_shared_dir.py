@@ -147,3 +147,44 @@ def test_existence_checks_past_the_cap_are_misses_at_once_never_a_queue(shared):
     assert index.lookup(keys_of([1, 2]), "r") == [False, False]
     assert index.unanswered("r") and index.num_refused == 1
     assert stat_batch.live() == 0
+
+
+def test_an_answer_stands_for_a_request_asked_again_at_once(shared):
+    """vLLM asks again every step for a request it could not schedule (its KV cache full): the
+    tier is asked once and the answer given at once, rather than a check per step and "ask
+    again" every other step. A store of a key it missed, a failed load, or time ends it."""
+    import time
+
+    fingerprint = b"\x01" * 16
+    index = _existence_index(shared, 1024, [fingerprint])
+    keys = keys_of([1, 2])
+
+    def put(key):
+        path = entry_path(shared, fingerprint, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x00" * (HEADER_BYTES + 1024))
+
+    def answer(token="r"):
+        deadline = time.monotonic() + 5.0
+        while (found := index.lookup(keys, token)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        return found
+
+    put(keys[0])
+    assert answer() == [True, False] and index.num_checks == 1
+    assert all(index.lookup(keys, "r") == [True, False] for _ in range(100))  # as vLLM's steps ask
+    assert index.num_checks == 1
+    assert answer("other") == [True, False] and index.num_checks == 2  # each request asks for itself
+    put(keys[1])
+    index.complete_store([keys[1]], [])  # this instance wrote a key the answer missed: asked again
+    assert index.lookup(keys, "r") is None and answer() == [True, True] and index.num_checks == 3
+    index.complete_load([keys[0]], [keys[0]])  # found damaged: a miss at once, without asking
+    assert index.lookup(keys, "r") == [False, True] and index.num_checks == 3
+    index.ANSWER_REUSE_S = 0.05
+    time.sleep(0.06)
+    assert index.lookup(keys, "r") is None and index.num_checks == 4  # an old answer is asked again
+    answer()
+    index.forget("r")
+    assert index.lookup(keys, "r") is None and index.num_checks == 5
+    index.close()

@@ -91,6 +91,7 @@ def kvtier_state(llm) -> dict:
         "host_slots": manager.host.num_slots,
         "host_evictions": manager.host.num_evictions,
         "tier_pins": sum(getattr(t, "num_pins", 0) for t in manager.tiers),
+        "tier_checks": sum(getattr(t, "num_checks", 0) for t in manager.tiers),  # existence asked of shared tiers
         "pending_jobs": manager.num_pending,
         "tracked_requests": scheduler.num_tracked_requests,
         # vLLM's own: a finished request whose blocks kvtier never released stays here.

@@ -181,9 +181,18 @@ class ExistenceIndex(TierIndex):
     checks that cannot start (``OSError``), are misses at once, never a queue. Entries
     that failed to load are misses for a while, or the engine would ask for the same
     broken entry again and again.
+
+    An answer stands for ``ANSWER_REUSE_S``: the same token asking about the same keys
+    again within it gets it at once. vLLM asks again every step for a request it could
+    not schedule (no room left in its KV cache, or a block of the prefix still being
+    written to the host pool): without this, each such step would send the tier a new
+    check and get "ask again" while it runs, so the request would also sit out every
+    other step. A hit gone stale meanwhile costs a failed load (recompute), a miss one
+    block recomputed.
     """
 
     asks_the_tier = True
+    ANSWER_REUSE_S = 1.0
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
                  failed_ttl_s: float = 30.0, max_pending: int = 64):
@@ -197,6 +206,8 @@ class ExistenceIndex(TierIndex):
         self._failed_ttl_s = failed_ttl_s
         self._pending: dict[str, tuple[tuple[bytes, ...], float, Any]] = {}
         self._failed: dict[bytes, float] = {}  # key -> until when it is a miss
+        self._answered: dict[str, tuple[tuple[bytes, ...], float, list | None]] = {}  # token -> (keys, when, found)
+        self.num_checks = 0  # checks sent to the tier
         self.num_bad_entries = 0
 
     def lookup(self, keys, token):
@@ -207,6 +218,9 @@ class ExistenceIndex(TierIndex):
             return [False] * len(keys)  # no token, no later call to answer: the tier is skipped
         entry = self._pending.get(token)
         if entry is None or entry[0] != keys:
+            answered = self._answered.get(token)
+            if answered is not None and answered[0] == keys and time.monotonic() - answered[1] < self.ANSWER_REUSE_S:
+                return self._usable(keys, answered[2])
             if len(self._pending) >= self._max_pending:
                 self.num_refused += 1
                 self._unanswered.add(token)
@@ -218,6 +232,7 @@ class ExistenceIndex(TierIndex):
                 self._unanswered.add(token)
                 return [False] * len(keys)
             self._pending[token] = (keys, time.monotonic(), pending)
+            self.num_checks += 1
             return None
         _, began, check = entry
         if not check.done():
@@ -233,16 +248,28 @@ class ExistenceIndex(TierIndex):
             found = check.result()
         except Exception:  # a failed existence check is a miss; the tier's own breaker logs it
             found = None
+        (self._unanswered.add if found is None else self._unanswered.discard)(token)
+        if len(self._answered) >= 4 * self._max_pending:  # tokens that never came back (forget() drops the rest)
+            now = time.monotonic()
+            self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.ANSWER_REUSE_S}
+        self._answered[token] = (keys, time.monotonic(), found)
+        return self._usable(keys, found)
+
+    def _usable(self, keys, found):
+        """The tier's answer, less the entries that failed to load since (misses for a while)."""
         if found is None:
-            self._unanswered.add(token)
             return [False] * len(keys)
-        self._unanswered.discard(token)
         now = time.monotonic()
         return [bool(hit) and self._failed.get(key, 0.0) <= now for key, hit in zip(keys, found)]
 
     def complete_store(self, written, failed):
         if self.holdings is not None:
             self.holdings += [("stored", self.name, key) for key in written]
+        if written and self._answered:  # an answer that missed what this instance just wrote stands no more
+            written = set(written)
+            self._answered = {token: answer for token, answer in self._answered.items()
+                              if answer[2] is None or not any(not hit and key in written
+                                                             for key, hit in zip(answer[0], answer[2]))}
 
     def complete_load(self, keys, bad_keys):
         if self.holdings is not None:  # a damaged entry is not offered again: not loadable from here
@@ -261,7 +288,9 @@ class ExistenceIndex(TierIndex):
 
     def forget(self, token):
         self._pending.pop(token, None)
+        self._answered.pop(token, None)
         self._unanswered.discard(token)
 
     def close(self):
         self._pending.clear()
+        self._answered.clear()
