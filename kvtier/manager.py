@@ -207,6 +207,9 @@ class TierManager:
                  for i, tier in enumerate(self.tiers)]
         self._promised.pop(req_id, None)  # the slots are taken now, or not at all
         self._waiting_since.pop(req_id, None)
+        for tier in self.tiers:  # the answer is used up: if this load fails, the next lookup asks again
+            if tier.asks_the_tier:
+                tier.forget(req_id)
         sources: list[str] = []  # the loadable prefix: where each block is read from
         for key in keys:
             source = self._source(key, found)

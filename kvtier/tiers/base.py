@@ -118,7 +118,7 @@ class TierIndex(ABC):
         """The writes of ``written`` landed; those of ``failed`` did not."""
 
     def forget(self, token: str) -> None:
-        """A request went away: drop what its lookups remembered."""
+        """A request went away, or a plan used its lookup: drop what its lookups remembered."""
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -188,7 +188,8 @@ class ExistenceIndex(TierIndex):
     written to the host pool): without this, each such step would send the tier a new
     check and get "ask again" while it runs, so the request would also sit out every
     other step. A hit gone stale meanwhile costs a failed load (recompute), a miss one
-    block recomputed.
+    block recomputed. A plan uses the answer up (``forget``): after a failed load, the
+    request's next lookup asks the tier again.
     """
 
     asks_the_tier = True
