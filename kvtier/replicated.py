@@ -80,5 +80,6 @@ class ReplicatedLoads:
             reports.append(self._received.get_nowait())
         return reports
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self.broadcaster.close(timeout_s)  # a broken load's collectives end before the group goes

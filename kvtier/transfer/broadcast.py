@@ -22,12 +22,16 @@ or a collective past the group's timeout because another rank did) is ``broken``
 from then on: it never calls another collective, since a late one could pair with
 the wrong call of another rank and deliver another job's bytes. Its later loads
 fail at once (recompute), and the other ranks, timing out on it, break likewise.
+The shard it had already posted is still in gloo's hands (it ends at the group's
+timeout at the latest) and keeps its buffer alive; ``close`` waits for it, so that no
+collective is still running when the process group and the process go away.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Sequence
 
 import numpy as np
@@ -59,6 +63,8 @@ class ShardedBroadcaster:
         self.src_rank = src_rank
         self.rank = dist.get_rank(group)
         self.broken = False
+        self._posted: list[tuple[np.ndarray, torch.Tensor, object]] = []  # shards sent, not yet waited for
+        self._abandoned: list[tuple[np.ndarray, torch.Tensor, object]] = []  # what a failed load left running
 
     def load(self, block_ids: Sequence[int], host_slots: np.ndarray | None = None,
              slot_ids: Sequence[int] | None = None, available: np.ndarray | None = None,
@@ -76,7 +82,20 @@ class ShardedBroadcaster:
             return self._load(block_ids, host_slots, slot_ids, available, ready)
         except Exception:
             self.broken = True  # out of step with the other ranks: no collective ever again
+            self._abandoned += self._posted  # with their buffers, which gloo may still fill or read
+            self._posted = []
             raise
+
+    def close(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s``, for the collectives a failed load left running: the
+        group (and the process) must not be torn down under one."""
+        deadline = time.monotonic() + timeout_s
+        while self._abandoned:
+            _, _, work = self._abandoned.pop()
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except Exception:  # it failed or timed out: either way it is over or past waiting for
+                pass
 
     def _load(self, block_ids, host_slots, slot_ids, available, ready) -> BroadcastResult:
         began = time.perf_counter()
@@ -97,7 +116,7 @@ class ShardedBroadcaster:
         slot_bytes = self.layout.slot_bytes
         slots_of_blocks = np.asarray(slot_ids, dtype=np.int64) if self.rank == self.src_rank else None
         live_bytes = peak = 0
-        pending: list[tuple[np.ndarray, torch.Tensor, object]] = []
+        pending = self._posted = []
 
         def post(shard: np.ndarray):
             nonlocal live_bytes, peak

@@ -223,7 +223,7 @@ class TierWorker:
             elif finished:
                 logger.info("kvtier: shutdown: %d queued I/O jobs finished", finished)
         if self.replicated is not None:
-            self.replicated.close()
+            self.replicated.close(max(0.0, deadline - time.monotonic()))
         self.memory.close()
 
 
