@@ -198,6 +198,37 @@ def test_the_io_process_maps_the_host_pool_without_changing_a_byte():
         os.close(fd)
 
 
+def _host_pool_mapping(pid: int) -> dict[str, str]:
+    """The smaps fields of process ``pid``'s mapping of the host pool."""
+    lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "/memfd:kvtier-host-pool" in line)
+    fields = {}
+    for line in lines[start + 1:]:
+        name, _, value = line.partition(":")
+        if " " in name:  # the next mapping's address line
+            break
+        fields[name] = value.strip()
+    return fields
+
+
+def test_the_host_pool_asks_for_huge_pages_in_the_worker_and_in_its_io_process(tmp_path):
+    """Both mappings carry MADV_HUGEPAGE ("hg"); where the machine lets shared memory have huge
+    pages (``shmem_enabled`` advise and up), the pool's pages are 2 MiB in both processes."""
+    from kvtier.bench.io_path import IOPath
+    from kvtier.tiers.base import TierSpec
+
+    spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), options={"write": True, "entry_key_file": None})
+    path = IOPath(spec, 8, 1 << 20)
+    try:
+        worker, io_side = _host_pool_mapping(os.getpid()), _host_pool_mapping(path.io.pid)
+        assert "hg" in worker["VmFlags"].split() and "hg" in io_side["VmFlags"].split()
+        setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+        if setting.split("[")[1].split("]")[0] in ("advise", "within_size", "always", "force"):
+            assert worker["ShmemPmdMapped"] == io_side["ShmemPmdMapped"] == "8192 kB"
+    finally:
+        path.close()
+
+
 def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(disk_dir, caplog):
     engine = Engine(layouts()[0][1], disk_dir, host_blocks=4)
     io = engine.worker.io

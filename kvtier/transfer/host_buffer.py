@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from kvtier.io.pages import ask_for_huge_pages
+
 
 def allocate_host_buffer(num_slots: int, slot_bytes: int, pin: bool) -> torch.Tensor:
     """A private ``num_slots * slot_bytes`` uint8 buffer, pinned for CUDA, every page touched."""
@@ -35,6 +37,7 @@ class SharedHostMemory:
         except BaseException:
             os.close(self.fd)
             raise
+        ask_for_huge_pages(self._map)  # before the first touch, which picks each page's size
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.tensor.zero_()  # fault every page in now, so that no copy into the pool pays for it
         self._pinned = False
