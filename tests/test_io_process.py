@@ -198,10 +198,16 @@ def test_the_io_process_maps_the_host_pool_without_changing_a_byte():
         os.close(fd)
 
 
-def _host_pool_mapping(pid: int) -> dict[str, str]:
-    """The smaps fields of process ``pid``'s mapping of the host pool."""
+def _host_pool_mapping(pid: int, address: int | None = None) -> dict[str, str]:
+    """The smaps fields of process ``pid``'s mapping of the host pool (the one holding ``address``)."""
+    def holds(line: str) -> bool:
+        if "/memfd:kvtier-host-pool" not in line:
+            return False
+        low, high = (int(end, 16) for end in line.split()[0].split("-"))
+        return address is None or low <= address < high
+
     lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "/memfd:kvtier-host-pool" in line)
+    start = next(i for i, line in enumerate(lines) if holds(line))
     fields = {}
     for line in lines[start + 1:]:
         name, _, value = line.partition(":")
@@ -220,7 +226,7 @@ def test_the_host_pool_asks_for_huge_pages_in_the_worker_and_in_its_io_process(t
     spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), options={"write": True, "entry_key_file": None})
     path = IOPath(spec, 8, 1 << 20)
     try:
-        worker, io_side = _host_pool_mapping(os.getpid()), _host_pool_mapping(path.io.pid)
+        worker, io_side = _host_pool_mapping(os.getpid(), path.slots.ctypes.data), _host_pool_mapping(path.io.pid)
         assert "hg" in worker["VmFlags"].split() and "hg" in io_side["VmFlags"].split()
         setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
         if setting.split("[")[1].split("]")[0] in ("advise", "within_size", "always", "force"):
