@@ -64,7 +64,9 @@ def _map_for_writing(fd: int, num_bytes: int) -> mmap.mmap:
         return mapping
     except OSError:  # an older kernel: at least every page mapped, read-only
         mapping.close()
-        return mmap.mmap(fd, num_bytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        mapping = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        ask_for_huge_pages(mapping)  # mapped small by MAP_POPULATE already: khugepaged may remap them huge
+        return mapping
 
 
 class _Lanes:
