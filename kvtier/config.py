@@ -128,7 +128,8 @@ KEYS: dict[str, _Key] = {
         "1GiB", parse_bytes, lambda v: v > 0,
         "a byte count > 0, as an integer or a string such as '4GiB'",
         "Size of the host memory pool (the first tier), shared memory that kvtier's I/O process maps too. "
-        "Pinned when the device is CUDA."),
+        "Pinned when the device is CUDA. It holds host_bytes // (one block's bytes) blocks; on CPU each "
+        "slot also has a 64-byte head, for its entry's header."),
     "disk_dir": _Key(
         _default_disk_dir(), _parse_disk_dir, lambda v: True,
         "a writable directory (made if missing), or null to disable the disk tier",

@@ -378,7 +378,7 @@ def test_a_pool_store_connects_when_its_process_starts_not_at_its_first_job():
     with local_redis() as server:
         observer = Redis.from_url(server.url)
         before = len(observer.client_list())
-        io = IOProcess(None, [TierSpec("redis", "kvtier.tiers.redis", server.url)], b"\x01" * 16, 64, 0)
+        io = IOProcess(None, [TierSpec("redis", "kvtier.tiers.redis", server.url)], b"\x01" * 16, None)
         try:
             assert _wait_until(lambda: len(observer.client_list()) > before, 10), "no connection before a job"
         finally:

@@ -91,6 +91,43 @@ def test_native_block_copy_moves_the_bytes_of_the_planned_runs(data, kind, to_ho
     assert all(torch.equal(a, b) for a, b in zip(devices[0], devices[1]))
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), head=st.sampled_from([0, 8, 64, 4096]), to_host=st.booleans())
+def test_native_block_copy_with_heads_between_slots_moves_the_same_bytes_and_leaves_the_heads(data, head, to_host):
+    """With ``slot_pitch`` (each slot after a head, as a CPU worker's host pool), every slot gets or
+    gives exactly the bytes of back-to-back slots, and no copy touches a head."""
+    tensors = [torch.randint(-2**15, 2**15, (NB, 2, BS, 2 * 8), dtype=torch.int16) for _ in range(2)]
+    layout = detect_layout(infos(tensors), NB, BS)
+    num_slots, pitch = 2 * NB, head + layout.slot_bytes
+    count = data.draw(st.integers(0, NB))
+    block_ids = np.array(data.draw(st.permutations(range(NB)))[:count], dtype=np.int64)
+    consecutive = data.draw(st.booleans())
+    slot_ids = (np.arange(count) if consecutive else
+                np.array(data.draw(st.permutations(range(num_slots)))[:count])).astype(np.int64)
+    flat = torch.randint(0, 256, (num_slots, layout.slot_bytes), dtype=torch.uint8)
+    headed = torch.randint(0, 256, (num_slots, pitch), dtype=torch.uint8)
+    headed[:, head:] = flat
+    heads_before = headed[:, :head].clone()
+    devices = [[t.clone() for t in tensors] for _ in range(2)]
+    for device, host, step, start in ((devices[0], flat, layout.slot_bytes, 0), (devices[1], headed, pitch, head)):
+        copied = copy_runs.copy_blocks(layout.segment_table([t.data_ptr() for t in device]), block_ids, slot_ids,
+                                       host.data_ptr() + start, layout.slot_bytes, NB, num_slots, to_host, step)
+        assert copied == count * layout.slot_bytes
+    assert torch.equal(headed[:, head:], flat) and torch.equal(headed[:, :head], heads_before)
+    assert all(torch.equal(a, b) for a, b in zip(devices[0], devices[1]))
+
+
+def test_native_block_copy_refuses_a_pitch_shorter_than_a_slot():
+    tensors = [torch.ones(NB, 2, BS, 8, dtype=torch.int16)]
+    layout = detect_layout(infos(tensors), NB, BS)
+    host = torch.zeros(4 * layout.slot_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="slot_pitch >= slot_bytes"):
+        copy_runs.copy_blocks(layout.segment_table([tensors[0].data_ptr()]), np.array([0], np.int64),
+                              np.array([1], np.int64), host.data_ptr(), layout.slot_bytes, NB, 4, True,
+                              layout.slot_bytes - 1)
+    assert not host.any()
+
+
 def test_native_block_copy_checks_every_id_before_moving_a_byte():
     tensors = [torch.ones(NB, 2, BS, 8, dtype=torch.int16)]
     layout = detect_layout(infos(tensors), NB, BS)

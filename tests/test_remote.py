@@ -307,3 +307,58 @@ def test_a_pool_existence_check_is_answered_while_the_engines_thread_never_lets_
         pid = index.lookups.pid
         index.close()
         assert not Path(f"/proc/{pid}").exists()  # the lookup process is gone with its index
+
+
+class _Calls:
+    """The real Mooncake client, with the names of the batch calls made through it written down."""
+
+    def __init__(self, store):
+        self._store, self.made = store, []
+
+    def __getattr__(self, name):
+        if name.startswith("batch_"):
+            self.made.append(name)
+        return getattr(self._store, name)
+
+
+def test_mooncake_entries_move_in_one_piece_beside_their_headers_and_in_two_apart(tmp_path):
+    """A CPU worker's slots have heads (``kvtier.host_slots``): an entry, header then block, is put
+    and got as one buffer. A CUDA worker's do not: two buffers per entry. Both write the same
+    entries: each reads, byte-exact, what the other wrote, and checks it."""
+    import numpy as np
+
+    from kvtier.host_slots import HostSlots
+    from kvtier.tiers.registry import make_store
+
+    slot_bytes, num_slots = 3 * 4096 + 64, 6
+    payload = np.random.default_rng(5).integers(0, 256, (num_slots, slot_bytes), dtype=np.uint8)
+    keys = keys_of(range(100, 100 + num_slots))
+    with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
+        stores, calls = {}, {}
+        for head in (HEADER_BYTES, 0):
+            slots = HostSlots(num_slots, slot_bytes, head)
+            memory = np.zeros(slots.num_bytes, np.uint8)
+            store = make_store(TierSpec("mooncake", "kvtier.tiers.mooncake", server.url, timeout_s=5.0, retry_s=1.0),
+                               b"\x05" * 16, slot_bytes)
+            store.attach(*slots.views(memory))
+            store.connect()
+            lease = store.client._lease
+            lease.client._store = calls[head] = _Calls(lease.client._store)
+            stores[head] = (store, memory, slots)
+        one, two = stores[HEADER_BYTES], stores[0]
+        for (store, _, _), first in ((one, 0), (two, 3)):  # each writes half of the entries
+            store.host[first:first + 3] = payload[first:first + 3]
+            assert store.write_from(keys[first:first + 3], list(range(first, first + 3)), [-1] * 3, 0.0) == [None] * 3
+        for store, _, _ in (one, two):
+            store.host[:] = 0
+            assert store.read_into(keys, list(range(num_slots)), [-1] * num_slots, 0.0) == [None] * num_slots
+            assert np.array_equal(store.host, payload)
+        assert calls[HEADER_BYTES].made == ["batch_put_from", "batch_get_into"]
+        assert calls[0].made == ["batch_put_from_multi_buffers", "batch_get_into_multi_buffers"]
+        heads = one[2].views(one[1])[1]
+        heads[2, 40] ^= 0xFF  # a head is scratch: a read writes the pool's header over whatever it holds
+        one[0].host[2] ^= 1
+        assert one[0].read_into([keys[2]], [2], [-1], 0.0) == [None]
+        assert np.array_equal(one[0].host[2], payload[2])
+        for store, _, _ in (one, two):
+            store.close()

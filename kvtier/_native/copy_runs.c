@@ -8,10 +8,11 @@
  *   length is allowed (no vector-width truncation).
  *
  * copy_blocks(segments, block_ids, slot_ids, host_address, slot_bytes, num_blocks,
- *             num_slots, to_host): moves block_ids[i] <-> slot_ids[i] with no run
+ *             num_slots, to_host[, slot_pitch]): moves block_ids[i] <-> slot_ids[i] with no run
  *   list planned beforehand. segments holds int64 rows (device_address, stride,
  *   slot_offset, nbytes): segment row r of block b is at device_address + b * stride,
- *   and of slot s at host_address + s * slot_bytes + slot_offset. Ids are checked
+ *   and of slot s at host_address + s * slot_pitch + slot_offset (slot_pitch, at least
+ *   slot_bytes, defaults to it: slots back to back). Ids are checked
  *   against num_blocks and num_slots, and every segment row against slot_bytes (no
  *   negative length or offset, no run past a slot's end), before any byte moves; runs that continue on
  *   both sides are merged into one memcpy. Returns the bytes copied.
@@ -73,18 +74,20 @@ done:
 static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     PyObject *seg_obj, *blk_obj, *slt_obj;
     Py_buffer seg = {0}, blk = {0}, slt = {0};
-    long long host, slot_bytes, num_blocks, num_slots;
+    long long host, slot_bytes, num_blocks, num_slots, slot_pitch = -1;
     int to_host;
-    if (!PyArg_ParseTuple(args, "OOOLLLLp", &seg_obj, &blk_obj, &slt_obj, &host, &slot_bytes, &num_blocks,
-                          &num_slots, &to_host))
+    if (!PyArg_ParseTuple(args, "OOOLLLLp|L", &seg_obj, &blk_obj, &slt_obj, &host, &slot_bytes, &num_blocks,
+                          &num_slots, &to_host, &slot_pitch))
         return NULL;
+    if (slot_pitch == -1) slot_pitch = slot_bytes;
     PyObject *result = NULL;
     if (int64_buffer(seg_obj, &seg, "copy_blocks: segments") || int64_buffer(blk_obj, &blk, "copy_blocks: block ids") ||
         int64_buffer(slt_obj, &slt, "copy_blocks: slot ids"))
         goto done;
-    if (seg.len % 32 != 0 || blk.len != slt.len || slot_bytes <= 0) {
+    if (seg.len % 32 != 0 || blk.len != slt.len || slot_bytes <= 0 || slot_pitch < slot_bytes) {
         PyErr_SetString(PyExc_ValueError,
-                        "copy_blocks: segments must be int64 rows of 4, block and slot ids of equal length, slot_bytes > 0");
+                        "copy_blocks: segments must be int64 rows of 4, block and slot ids of equal length, "
+                        "slot_bytes > 0, slot_pitch >= slot_bytes");
         goto done;
     }
     Py_ssize_t n_seg = seg.len / 32, n = blk.len / 8;
@@ -114,7 +117,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         const int64_t base = rows[4 * r], stride = rows[4 * r + 1], offset = rows[4 * r + 2], nbytes = rows[4 * r + 3];
         for (Py_ssize_t i = 0; i < n; i++) {
             char *device = (char *)(uintptr_t)(base + b[i] * stride);
-            char *slot = (char *)(uintptr_t)(host + s[i] * slot_bytes + offset);
+            char *slot = (char *)(uintptr_t)(host + s[i] * slot_pitch + offset);
             char *d = to_host ? slot : device;
             const char *src = to_host ? device : slot;
             if (run_len && run_dst + run_len == d && run_src + run_len == src) {
@@ -139,7 +142,7 @@ done:
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, "copy(dst_addrs, src_addrs, lengths): memcpy each run, GIL released."},
     {"copy_blocks", copy_blocks, METH_VARARGS,
-     "copy_blocks(segments, block_ids, slot_ids, host_address, slot_bytes, num_blocks, num_slots, to_host) -> bytes "
+     "copy_blocks(segments, block_ids, slot_ids, host_address, slot_bytes, num_blocks, num_slots, to_host[, slot_pitch]) -> bytes "
      "copied: move blocks <-> host slots, GIL released."},
     {NULL, NULL, 0, NULL},
 };

@@ -6,17 +6,22 @@ from __future__ import annotations
 import threading
 import time
 
+from kvtier.entry import HEADER_BYTES
+from kvtier.host_slots import HostSlots
 from kvtier.io.client import IOProcess
 from kvtier.tiers.base import TierSpec
 from kvtier.transfer.host_buffer import SharedHostMemory
 
 
 class IOPath:
-    def __init__(self, spec: TierSpec, num_slots: int, slot_bytes: int, fingerprint: bytes = b"\x07" * 16):
-        self.memory = SharedHostMemory(num_slots * slot_bytes, pin=False)
-        self.slots = self.memory.tensor.numpy().reshape(num_slots, slot_bytes)
+    def __init__(self, spec: TierSpec, num_slots: int, slot_bytes: int, fingerprint: bytes = b"\x07" * 16,
+                 head_bytes: int = HEADER_BYTES):
+        """Slots with heads of ``head_bytes``, as a CPU worker's (0: as a CUDA worker's)."""
+        layout = HostSlots(num_slots, slot_bytes, head_bytes)
+        self.memory = SharedHostMemory(layout.num_bytes, pin=False)
+        self.slots, _ = layout.views(self.memory.tensor.numpy())
         self.fingerprint = fingerprint
-        self.io = IOProcess(self.memory.fd, [spec], fingerprint, slot_bytes, num_slots)
+        self.io = IOProcess(self.memory.fd, [spec], fingerprint, layout)
         self.tier = spec.name
 
     def run(self, write: bool, keys: list[bytes], batch: int, in_flight: int = 2) -> float:

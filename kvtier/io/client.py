@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from kvtier.host_slots import HostSlots
 from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 
@@ -97,9 +98,9 @@ class Check:
 
 
 class IOProcess:
-    def __init__(self, memory_fd: int | None, specs: Sequence[TierSpec], rank_fingerprint: bytes, slot_bytes: int,
-                 num_slots: int, drain_s: float = 10.0):
-        self._memory_fd = memory_fd  # None: a lookup process, with no host pool (``check`` only)
+    def __init__(self, memory_fd: int | None, specs: Sequence[TierSpec], rank_fingerprint: bytes,
+                 slots: HostSlots | None, drain_s: float = 10.0):
+        self._memory_fd = memory_fd  # None (and no slots): a lookup process, with no host pool (``check`` only)
         self.role = "I/O process" if memory_fd is not None else "lookup process"
         # A page the I/O process shares with this worker, where it counts the answers it has sent:
         # the engine's step reads it (no system call, so it never gives up the GIL; doing so every
@@ -109,8 +110,9 @@ class IOProcess:
         self._answers_map = mmap.mmap(self._answers_fd, mmap.PAGESIZE)
         self._answers_sent = memoryview(self._answers_map).cast("Q")
         self._answers_seen = 0
-        self._setup = Setup([dataclasses.asdict(s) for s in specs], rank_fingerprint, slot_bytes, num_slots,
-                            os.getpid(), logging.getLogger("kvtier").getEffectiveLevel(), drain_s)
+        slots = slots or HostSlots(0, 0)
+        self._setup = Setup([dataclasses.asdict(s) for s in specs], rank_fingerprint, slots.slot_bytes, slots.num_slots,
+                            slots.head_bytes, os.getpid(), logging.getLogger("kvtier").getEffectiveLevel(), drain_s)
         self._job_ids = itertools.count()
         self._lock = threading.Lock()  # guards _callbacks, _sock and _process; sends are under it too
         self._callbacks: dict[int, tuple[int, Callback]] = {}  # job id -> (number of blocks, callback)

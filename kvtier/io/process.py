@@ -36,8 +36,7 @@ import sys
 import threading
 import time
 
-import numpy as np
-
+from kvtier.host_slots import HostSlots
 from kvtier.io.messages import Exists, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
 from kvtier.io.pages import ask_for_huge_pages
 from kvtier.tiers.base import TierSpec, unavailable
@@ -101,17 +100,18 @@ class _Server:
         self._send_lock = threading.Lock()
         self._answers_map = mmap.mmap(answers_fd, mmap.PAGESIZE)
         self._answers_sent = memoryview(self._answers_map).cast("Q")  # read by the worker's engine step
-        host = None  # a lookup process (no memory file) only answers existence checks
+        host = heads = None  # a lookup process (no memory file) only answers existence checks
         if memory_fd >= 0:
-            self._mapping = _map_for_writing(memory_fd, setup.num_slots * setup.slot_bytes)
-            host = np.frombuffer(self._mapping, np.uint8).reshape(setup.num_slots, setup.slot_bytes)
+            slots = HostSlots(setup.num_slots, setup.slot_bytes, setup.head_bytes)
+            self._mapping = _map_for_writing(memory_fd, slots.num_bytes)
+            host, heads = slots.views(self._mapping)
         self.stores, self.threads, errors = {}, {}, {}
         for fields in setup.tiers:
             spec = TierSpec(**fields)
             try:
                 store = make_store(spec, setup.rank_fingerprint, setup.slot_bytes)
                 if host is not None:
-                    store.attach(host)
+                    store.attach(host, heads)
             except Exception as error:  # this tier is off; the worker fails its jobs, the others carry on
                 errors[spec.name] = f"{type(error).__name__}: {error}"
                 continue

@@ -131,13 +131,16 @@ class TierStore(ABC):
     """The I/O process's half. Calls come from the I/O process's threads, concurrently.
 
     ``attach`` hands it the host pool, mapped in the I/O process: an array of
-    ``num_slots`` rows of ``slot_bytes``. Jobs name slots by row."""
+    ``num_slots`` rows of ``slot_bytes``, and where each slot has a head right before it
+    (``kvtier.host_slots``), those as ``num_slots`` rows of ``HEADER_BYTES``. Jobs name
+    slots by row."""
 
     host = None
+    heads = None  # a slot's head: where a store may put the header of the entry it moves
     mac_key: bytes | None = None  # entries are tagged and checked with this key (``entry_key_file``)
 
-    def attach(self, host_slots) -> None:
-        self.host = host_slots
+    def attach(self, host_slots, heads=None) -> None:
+        self.host, self.heads = host_slots, heads
 
     @abstractmethod
     def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],

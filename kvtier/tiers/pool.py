@@ -317,7 +317,7 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
     every pool client is: down or past ``timeout_s``, a check is a miss."""
     from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
 
-    lookups = IOProcess(None, [spec], bytes(16), 0, 0, drain_s=0.0)
+    lookups = IOProcess(None, [spec], bytes(16), None, drain_s=0.0)
     ranks = list(rank_fingerprints)
     down = [0]  # the store's count, as of its last answer
 
@@ -457,6 +457,11 @@ def outside_calls(connector: Callable[[TierSpec], Callable[[], PoolClient]]):
     return held_from_outside, write_record, read_records, release_outside
 
 
+def _end(rows: np.ndarray) -> int:
+    """The address just past the last row of ``rows`` (rows may lie apart)."""
+    return rows.ctypes.data + rows.strides[0] * (len(rows) - 1) + rows.shape[1]
+
+
 class PoolStore(TierStore):
     """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
 
@@ -466,11 +471,15 @@ class PoolStore(TierStore):
         self.slot_bytes = slot_bytes
         self._headers: np.ndarray | None = None
 
-    def attach(self, host_slots) -> None:
-        super().attach(host_slots)
-        # One header row per slot: a job's headers live beside its slots, and both are registered.
+    def attach(self, host_slots, heads=None) -> None:
+        super().attach(host_slots, heads)
+        if heads is not None:  # each entry's header right before its block: one run, one registered span
+            self._headers = heads
+            self.client.register(heads.ctypes.data, _end(host_slots) - heads.ctypes.data)
+            return
+        # Slots without heads (CUDA's): one header row per slot, apart, registered too.
         self._headers = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
-        self.client.register(host_slots.ctypes.data, host_slots.nbytes)
+        self.client.register(host_slots.ctypes.data, _end(host_slots) - host_slots.ctypes.data)
         self.client.register(self._headers.ctypes.data, self._headers.nbytes)
 
     def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:

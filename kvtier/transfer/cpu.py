@@ -22,14 +22,17 @@ logger = logging.getLogger("kvtier.transfer")
 class CpuCopier(DeviceCopier):
     """Copies run on ``num_threads`` threads; ``start`` only enqueues."""
 
-    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int):
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int,
+                 head_bytes: int = 0):
+        """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.host_slots``)."""
         self._layout = layout
         # Copies use raw addresses: hold the tensors so their memory outlives every copy.
         self._tensors = list(tensors)
         self._host_buffer = host_buffer
         self._tensor_addresses = [t.data_ptr() for t in self._tensors]
-        self._host_address = host_buffer.data_ptr()
-        self._num_slots = host_buffer.numel() // layout.slot_bytes
+        self._host_address = host_buffer.data_ptr() + head_bytes  # slot 0's first byte
+        self._slot_pitch = head_bytes + layout.slot_bytes
+        self._num_slots = host_buffer.numel() // self._slot_pitch
         # Segment tables by tensor_indices: all tensors, and each alone (a layer-wise job).
         self._segments: dict[tuple[int, ...] | None, np.ndarray] = {
             indices: layout.segment_table(self._tensor_addresses, indices)
@@ -86,7 +89,7 @@ class CpuCopier(DeviceCopier):
             try:
                 num_bytes = copy_runs.copy_blocks(segments, block_ids, slot_ids, self._host_address,
                                                   self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
-                                                  job.to_host)
+                                                  job.to_host, self._slot_pitch)
                 result = TransferResult(job.job_id, True, num_bytes, time.perf_counter() - began)
             except Exception as error:
                 result = TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}")
@@ -103,7 +106,7 @@ class CpuCopier(DeviceCopier):
             try:
                 num_bytes = copy_runs.copy_blocks(segments, block_ids[part], slot_ids[part], self._host_address,
                                                   self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
-                                                  job.to_host)
+                                                  job.to_host, self._slot_pitch)
             except Exception as error:
                 num_bytes = 0
                 with lock:

@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.entry import HEADER_BYTES
+from kvtier.host_slots import HostSlots
 from kvtier.io.client import IOProcess
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, TensorInfo, detect_layout
@@ -56,15 +58,17 @@ class TierWorker:
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
         self.device_is_cuda = self.tensors[0].is_cuda
-        self.memory = SharedHostMemory(self.num_slots * self.layout.slot_bytes, pin=self.device_is_cuda)
+        # Entry headers beside the slots on CPU, apart on CUDA (``kvtier.host_slots``).
+        self.slots = HostSlots(self.num_slots, self.layout.slot_bytes, 0 if self.device_is_cuda else HEADER_BYTES)
+        self.memory = SharedHostMemory(self.slots.num_bytes, pin=self.device_is_cuda)
         self.host_buffer = self.memory.tensor
-        host_slots = self.host_buffer.numpy().reshape(self.num_slots, self.layout.slot_bytes)
+        host_slots, _ = self.slots.views(self.host_buffer.numpy())
         self._wake = threading.Event()
         self.transfers = TransferEngine(self._make_copier(), on_complete=self._wake.set)
         self.book = JobBook(self.transfers)
         specs = tier_specs(config) if self.is_source else []  # replicated KV: other ranks never touch a tier
-        self.io = IOProcess(self.memory.fd, specs, self.rank_fingerprint, self.layout.slot_bytes,
-                            self.num_slots, config.shutdown_flush_s) if specs else None
+        self.io = IOProcess(self.memory.fd, specs, self.rank_fingerprint, self.slots,
+                            config.shutdown_flush_s) if specs else None
         self.verifier = self.replicated = None
         if config.verify_loads:  # test mode, wrapped around the paths through three hooks
             from kvtier.verify import LoadVerifier
@@ -92,7 +96,7 @@ class TierWorker:
             from kvtier.transfer.cuda import CudaCopier
             return CudaCopier(self.layout, self.tensors, self.host_buffer, warm_up=first)
         from kvtier.transfer.cpu import CpuCopier
-        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads)
+        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads, self.slots.head_bytes)
 
     @property
     def num_layers(self) -> int:
