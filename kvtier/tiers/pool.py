@@ -469,35 +469,33 @@ class PoolStore(TierStore):
         self.client = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
-        self._headers: np.ndarray | None = None
 
     def attach(self, host_slots, heads=None) -> None:
         super().attach(host_slots, heads)
         if heads is not None:  # each entry's header right before its block: one run, one registered span
-            self._headers = heads
             self.client.register(heads.ctypes.data, _end(host_slots) - heads.ctypes.data)
             return
         # Slots without heads (CUDA's): one header row per slot, apart, registered too.
-        self._headers = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
+        self.heads = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
         self.client.register(host_slots.ctypes.data, _end(host_slots) - host_slots.ctypes.data)
-        self.client.register(self._headers.ctypes.data, self._headers.nbytes)
+        self.client.register(self.heads.ctypes.data, self.heads.nbytes)
 
     def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         names = [pool_key(self.rank_fingerprint, key) for key in keys]
-        found = self.client.call("get_into", names, [memoryview(self._headers[s]) for s in slot_ids],
+        found = self.client.call("get_into", names, [memoryview(self.heads[s]) for s in slot_ids],
                                  [memoryview(self.host[s]) for s in slot_ids])
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
-        return [check_entry(bytes(self._headers[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes,
+        return [check_entry(bytes(self.heads[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes,
                             self.mac_key)
                 if hit else "missing or wrong size in the storage pool"
                 for key, slot, hit in zip(keys, slot_ids, found)]
 
     def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         for key, slot in zip(keys, slot_ids):
-            self._headers[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key), np.uint8)
+            self.heads[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key), np.uint8)
         stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],
-                                  [memoryview(self._headers[s]) for s in slot_ids],
+                                  [memoryview(self.heads[s]) for s in slot_ids],
                                   [memoryview(self.host[s]) for s in slot_ids])
         if stored is None:
             return [unavailable("storage pool down or failing")] * len(keys)
