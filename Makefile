@@ -7,7 +7,7 @@ RELEASES := 0.30.0 0.31.0
 
 .PHONY: setup demo test test-fast bench clean
 
-$(STAMP): pyproject.toml setup.py scripts/setup_env.sh $(wildcard kvtier/_native/*.c)
+$(STAMP): pyproject.toml setup.py scripts/setup_env.sh $(wildcard kvtier/_native/*.c) third_party/xxhash/xxhash.h
 	bash scripts/setup_env.sh
 	touch $(STAMP)
 

@@ -53,10 +53,15 @@ def _tag(mac_key: bytes, fingerprint: bytes, key: bytes, payload) -> int:
     return int.from_bytes(digest.digest(length=8), "little")
 
 
-def encode_header(fingerprint: bytes, key: bytes, payload, mac_key: bytes | None = None) -> bytes:
+def encode_header(fingerprint: bytes, key: bytes, payload, mac_key: bytes | None = None,
+                  check: int | None = None) -> bytes:
+    """``check``: the payload's ``checksum``, where it was already taken (a keyed tag is always made here)."""
     if len(fingerprint) != KEY_BYTES or len(key) != KEY_BYTES:
         raise ValueError("fingerprint and key must be 16 bytes")
-    flags, check = (0, checksum(payload)) if mac_key is None else (KEYED, _tag(mac_key, fingerprint, key, payload))
+    if mac_key is not None:
+        flags, check = KEYED, _tag(mac_key, fingerprint, key, payload)
+    else:
+        flags, check = 0, checksum(payload) if check is None else check
     packed = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, fingerprint, key, len(payload), check)
     return packed.ljust(HEADER_BYTES, b"\x00")
 

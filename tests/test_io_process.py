@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.entry import checksum
 from kvtier.tiers.disk import DiskStore, entries_in
 from tests.test_tiering import Engine, keys_of, layouts, randomize
 
@@ -384,3 +385,59 @@ def test_a_pool_store_connects_when_its_process_starts_not_at_its_first_job():
         finally:
             io.close(5.0)
             observer.close()
+
+
+def _job(path, write: bool, keys, slot_ids, checksums=None) -> list:
+    """One job through ``path``'s I/O process; its reasons, one per block."""
+    import threading
+
+    answered, reasons = threading.Event(), []
+    path.io.submit(path.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 30,
+                   lambda answer: (reasons.extend(answer), answered.set()), checksums)
+    assert answered.wait(30)
+    return reasons
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("tier", ["disk", "file", "redis", "mooncake"])
+def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, keyed, tmp_path):
+    """A write job carries each slot's checksum, taken by the copy that filled the slot: every store
+    frames its entries with it rather than reading the slot again. So a wrong one (slot 3's here)
+    makes that entry fail its check when read back, a miss. With an entry key a store makes its own
+    keyed tags, and every entry loads."""
+    import contextlib
+
+    from kvtier.bench.io_path import IOPath
+    from kvtier.servers import local_mooncake, local_redis
+    from kvtier.tiers.base import TierSpec
+    from kvtier.tiers.registry import DISK_MODULE, SCHEMES
+
+    key_file = None
+    if keyed:
+        key_file = tmp_path / "entry.key"
+        key_file.write_bytes(os.urandom(32))
+        key_file.chmod(0o600)
+    options = {"write": True, "entry_key_file": None if key_file is None else str(key_file)}
+    server = {"redis": lambda: local_redis(log_path=str(tmp_path / "redis.log")),
+              "mooncake": lambda: local_mooncake(log_path=str(tmp_path / "mooncake.log"))}.get(tier)
+    rows = np.random.default_rng(3).integers(0, 256, (4, 3 * 4096 + 64), dtype=np.uint8)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    with server() if server else contextlib.nullcontext() as running:
+        if tier == "disk":
+            spec = TierSpec("disk", DISK_MODULE, str(tmp_path / "disk"), options=options)
+        else:
+            url = running.url if running else f"file://{tmp_path / 'shared'}"
+            spec = TierSpec(SCHEMES[url.split("://")[0]][0], SCHEMES[url.split("://")[0]][1], url, timeout_s=10.0,
+                            retry_s=1.0, options=options)
+        path = IOPath(spec, len(rows), rows.shape[1])
+        try:
+            sums = path.fill(rows)
+            assert sums == [checksum(row) for row in rows]  # what the native copy took as it wrote
+            sums[3] ^= 1
+            assert _job(path, True, keys, [0, 1, 2, 3], sums) == [None] * 4
+            path.slots[:] = 0
+            reasons = _job(path, False, keys, [0, 1, 2, 3])
+            assert np.array_equal(path.slots[:3], rows[:3])
+            assert reasons == [None] * 4 if keyed else reasons[:3] == [None] * 3 and reasons[3] == "checksum mismatch"
+        finally:
+            path.close()

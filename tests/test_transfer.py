@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.entry import checksum
 from kvtier.layout import detect_layout
 from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -13,11 +14,11 @@ from kvtier.worker import tensor_info
 NB, BS = 64, 4
 
 
-def make_engine(num_slots=64, threads=2):
+def make_engine(num_slots=64, threads=2, checksums=False):
     tensors = [torch.randint(-1000, 1000, (NB, 2, BS, 5), dtype=torch.int16) for _ in range(3)]  # 80-byte runs
     layout = detect_layout([tensor_info(t) for t in tensors], NB, BS)
     host = allocate_host_buffer(num_slots, layout.slot_bytes, pin=False)
-    engine = TransferEngine(CpuCopier(layout, tensors, host, threads))
+    engine = TransferEngine(CpuCopier(layout, tensors, host, threads, checksums=checksums))
     return engine, tensors, host, layout
 
 
@@ -78,6 +79,27 @@ def test_store_then_load_is_byte_exact_with_scattered_ids():
     drain(engine, 1)
     assert all(torch.equal(t[block_ids], b) for t, b in zip(tensors, before))
     engine.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # one part copied in place; parts on several threads
+def test_a_store_of_whole_slots_reports_each_slots_checksum_and_nothing_else_does(threads):
+    """``checksums``: a store's result carries each slot's xxh3-64 in the job's order (what its tier
+    writes frame the entries with); a layer's copy, a load, and a copier without them carry none."""
+    engine, tensors, host, layout = make_engine(threads=threads, checksums=True)
+    slots = host.numpy().reshape(64, layout.slot_bytes)
+    block_ids, slot_ids = np.array([7, 3, 50, 51, 52, 9, 60]), np.array([10, 11, 2, 3, 4, 40, 63])
+    stores = [engine.submit(TransferJob(block_ids, slot_ids, True)),
+              engine.submit(TransferJob(block_ids, slot_ids, True, tensor_indices=(1,))),
+              engine.submit(TransferJob(block_ids, slot_ids, False))]
+    results = {r.job_id: r for r in drain(engine, 3)}
+    assert all(r.success for r in results.values())
+    assert results[stores[0]].checksums.tolist() == [checksum(slots[s]) for s in slot_ids]
+    assert results[stores[1]].checksums is None and results[stores[2]].checksums is None
+    engine.close()
+    plain, *_ = make_engine(threads=threads)
+    plain.submit(TransferJob(block_ids, slot_ids, True))
+    assert drain(plain, 1)[0].checksums is None
+    plain.close()
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one part copied in place; parts on several threads

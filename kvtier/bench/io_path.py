@@ -6,6 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
+from kvtier._native import copy_runs
 from kvtier.entry import HEADER_BYTES
 from kvtier.host_slots import HostSlots
 from kvtier.io.client import IOProcess
@@ -23,10 +26,24 @@ class IOPath:
         self.fingerprint = fingerprint
         self.io = IOProcess(self.memory.fd, [spec], fingerprint, layout)
         self.tier = spec.name
+        self._layout = layout
 
-    def run(self, write: bool, keys: list[bytes], batch: int, in_flight: int = 2) -> float:
+    def fill(self, rows: np.ndarray) -> list[int]:
+        """Copy ``rows`` into slots 0.. as a CPU worker's store copies blocks (the native copy, which
+        takes each slot's checksum as it writes it); those checksums, which its writes carry."""
+        rows = np.ascontiguousarray(rows, np.uint8)
+        ids, sums = np.arange(len(rows), dtype=np.int64), np.empty(len(rows), np.uint64)
+        segment = np.array([[rows.ctypes.data, rows.strides[0], 0, rows.shape[1]]], np.int64)
+        copy_runs.copy_blocks(segment, ids, ids, self.memory.tensor.data_ptr() + self._layout.head_bytes,
+                              self._layout.slot_bytes, len(rows), self._layout.num_slots, True, self._layout.pitch,
+                              sums)
+        return sums.tolist()
+
+    def run(self, write: bool, keys: list[bytes], batch: int, in_flight: int = 2,
+            checksums: list[int] | None = None) -> float:
         """Seconds to write (or read) ``keys[i]`` from (into) slot i, ``batch`` blocks per job,
-        at most ``in_flight`` jobs at once (a worker with several requests' jobs under way)."""
+        at most ``in_flight`` jobs at once (a worker with several requests' jobs under way); a
+        write carries ``checksums[i]`` for slot i where given (``fill``)."""
         free = threading.Semaphore(in_flight)
         done = threading.Semaphore(0)
         failures: list[str] = []
@@ -42,7 +59,7 @@ class IOPath:
             free.acquire()
             part = range(start, min(start + batch, len(keys)))
             self.io.submit(self.tier, write, [keys[i] for i in part], list(part), list(part), time.monotonic() + 60,
-                           answered)
+                           answered, None if checksums is None else checksums[part.start:part.stop])
         for _ in starts:
             done.acquire()
         elapsed = time.perf_counter() - began
@@ -50,13 +67,14 @@ class IOPath:
             raise RuntimeError(f"{len(failures)} blocks failed: {failures[0]}")
         return elapsed
 
-    def job(self, write: bool, keys: list[bytes], slot_ids: list[int]) -> float:
-        """Seconds for one job: ``keys[i]`` written from (read into) slot ``slot_ids[i]``."""
+    def job(self, write: bool, keys: list[bytes], slot_ids: list[int], checksums: list[int] | None = None) -> float:
+        """Seconds for one job: ``keys[i]`` written from (read into) slot ``slot_ids[i]``, whose
+        checksum a write carries where given."""
         answered = threading.Event()
         reasons: list = []
         began = time.perf_counter()
         self.io.submit(self.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 60,
-                       lambda answer: (reasons.extend(answer), answered.set()))
+                       lambda answer: (reasons.extend(answer), answered.set()), checksums)
         answered.wait()
         elapsed = time.perf_counter() - began
         failed = [r for r in reasons if r is not None]

@@ -2,8 +2,10 @@
 prefill/decode through it.
 
 Put and get GB/s of whole blocks through kvtier's real path (jobs to its I/O
-process: header, checksum, validation, zero-copy buffers) beside the store's own
-client moving the same bytes in the same run, one batch at a time on both sides:
+process: header, validation, zero-copy buffers; a put frames each entry with the
+checksum that the copy filling its slot took, as a CPU worker's store does, and a
+get checks every entry's) beside the store's own client moving the same bytes in
+the same run, one batch at a time on both sides:
 Mooncake's ``batch_put_from``/``batch_get_into`` on one registered buffer, Redis's
 pipelined ``SET``/``GET``. The two take turns batch by batch over 3 rounds, after one
 round not counted. Then, on a generated model: the decode instance's
@@ -33,7 +35,9 @@ def _blocks(num_blocks: int, slot_bytes: int) -> np.ndarray:
 
 class _TierPath:
     """kvtier's path: jobs to its I/O process, which encodes and checks each entry's header and
-    moves values straight between the shared host pool and the pool (zero-copy where it can)."""
+    moves values straight between the shared host pool and the pool (zero-copy where it can). The
+    slots are filled as a CPU worker's store fills them, by the native copy that takes their
+    checksums (``IOPath.fill``), before the clock starts, as the store's copy from the device is."""
 
     def __init__(self, url: str, payload: np.ndarray):
         from kvtier.tiers.registry import SCHEMES
@@ -43,11 +47,15 @@ class _TierPath:
         self.path = IOPath(TierSpec(name, module, url, timeout_s=30.0, retry_s=1.0), len(payload), payload.shape[1])
 
     def start(self, op: str) -> None:
-        self.path.slots[:] = self.payload if op == "put" else 0
+        if op == "put":  # as a store fills its slots: the copy takes each one's checksum
+            self.sums = self.path.fill(self.payload)
+        else:
+            self.path.slots[:] = 0
 
     def batch(self, op: str, round_: int, part: range) -> float:
         keys = [i.to_bytes(15, "little") + bytes([round_]) for i in part]
-        return self.path.job(op == "put", keys, list(part))
+        sums = [self.sums[i] for i in part] if op == "put" else None
+        return self.path.job(op == "put", keys, list(part), sums)
 
     def check(self) -> None:
         assert np.array_equal(self.path.slots, self.payload), "kvtier read back other bytes than it wrote"

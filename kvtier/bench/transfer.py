@@ -1,11 +1,13 @@
 """``kvtier bench transfer``: host pool and disk tier throughput against plain copies.
 
 Offload and load move scattered blocks of a vLLM-CPU-layout KV cache through the
-transfer engine; the peer is one plain ``copy_`` of the same number of bytes
-between two preallocated buffers. Disk write/read go through the disk tier's real
-path: jobs of ``BLOCKS_PER_JOB`` blocks to kvtier's I/O process (two in flight, as a
-worker with several requests has), which frames, checksums and writes each entry
-atomically; the peer is one plain sequential file written and read in 4 MiB chunks.
+transfer engine, as a CPU worker's (an offload takes each slot's checksum as it
+copies); the peer is one plain ``copy_`` of the same number of bytes between two
+preallocated buffers. Disk write/read go through the disk tier's real path: jobs of
+``BLOCKS_PER_JOB`` blocks to kvtier's I/O process (two in flight, as a worker with
+several requests has), which frames each entry with its offload's checksum and writes
+it atomically, and checks each entry it reads; the peer is one plain sequential file
+written and read in 4 MiB chunks.
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
     layout = detect_layout([tensor_info(t) for t in tensors], num_device_blocks, block_size)
     slots = HostSlots(num_moved, slot_bytes, HEADER_BYTES)  # laid out as a CPU worker's host pool
     host = allocate_host_buffer(1, slots.num_bytes, pin=False)
-    engine = TransferEngine(CpuCopier(layout, tensors, host, copy_threads, slots.head_bytes))
+    # As a CPU worker's: an offload takes each slot's checksum as it copies (``CpuCopier``).
+    engine = TransferEngine(CpuCopier(layout, tensors, host, copy_threads, slots.head_bytes, checksums=True))
     block_ids = rng.choice(num_device_blocks, size=num_moved, replace=False)  # scattered
     slot_ids = rng.permutation(num_moved)
     moved_bytes = num_moved * slot_bytes
+
+    sums = np.zeros(num_moved, np.uint64)  # by slot: what the offload's checksums say of each
 
     def timed(to_host: bool) -> float:
         began = time.perf_counter()
@@ -65,6 +70,8 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
         elapsed = time.perf_counter() - began
         (result,) = engine.poll()
         assert result.success and result.job_id == job_id, result
+        if to_host:
+            sums[slot_ids] = result.checksums
         return elapsed
 
     source = torch.empty(moved_bytes, dtype=torch.uint8)
@@ -107,14 +114,15 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
 
     offloaded = allocate_host_buffer(num_moved, slot_bytes, pin=False).numpy().reshape(num_moved, slot_bytes)
     offloaded[:] = slots.views(host.numpy())[0]  # back to back, as the plain file's bytes lie
-    results.update(_disk(offloaded, disk_dir, io_threads, repeats, progress))
+    results.update(_disk(offloaded, sums.tolist(), disk_dir, io_threads, repeats, progress))
     results["hash_tokens_per_s"] = _hash_rate(block_size)
     return results
 
 
-def _disk(slots: np.ndarray, disk_dir: str | None, io_threads: int, repeats: int, progress) -> dict:
-    """kvtier's disk tier on its real path (jobs to its I/O process, which frames, checksums and
-    writes each entry atomically) beside one plain file of the same bytes."""
+def _disk(slots: np.ndarray, checksums: list[int], disk_dir: str | None, io_threads: int, repeats: int,
+          progress) -> dict:
+    """kvtier's disk tier on its real path (jobs to its I/O process, which frames each entry with
+    the checksum its offload took and writes it atomically) beside one plain file of the same bytes."""
     total = slots.nbytes
     keys = [i.to_bytes(16, "little") for i in range(len(slots))]
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvtier-bench-") as root:
@@ -151,7 +159,7 @@ def _disk(slots: np.ndarray, disk_dir: str | None, io_threads: int, repeats: int
             os.unlink(plain_path)
             round_keys = [key[:-1] + bytes([round_]) for key in keys]  # new entries each round
             os.sync()
-            writes.append(path.run(True, round_keys, BLOCKS_PER_JOB))
+            writes.append(path.run(True, round_keys, BLOCKS_PER_JOB, checksums=checksums))
             path.slots[:] = 0
             reads.append(path.run(False, round_keys, BLOCKS_PER_JOB))
             os.truncate(entries_file(tier_root, path.fingerprint), 0)  # as the plain file is deleted

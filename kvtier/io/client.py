@@ -174,11 +174,14 @@ class IOProcess:
         self._receiver.start()
 
     def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int],
-               locations: Sequence[int], deadline: float, callback: Callback) -> None:
+               locations: Sequence[int], deadline: float, callback: Callback,
+               checksums: Sequence[int] | None = None) -> None:
         """Run one job in the I/O process; ``callback(reasons)`` is called once, on another thread
-        or, if the job cannot be sent, on this one."""
+        or, if the job cannot be sent, on this one. A write may carry its slots' checksums
+        (``TierStore.write_from``)."""
+        sums = None if checksums is None else list(checksums)
         self._send(tier, len(keys), callback,
-                   lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline))
+                   lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline, sums))
 
     def check(self, tier: str, names: Sequence[str]) -> "Check":
         """Ask ``tier``'s store whether each name is stored; the answer comes later (``Check``)."""

@@ -38,6 +38,7 @@ class Job(msgspec.Struct, tag=True):
     slot_ids: list[int]
     locations: list[int]  # where the tier's index put each key (-1: the store finds it)
     deadline: float  # time.monotonic() of the engine's host (the same clock in every process)
+    checksums: list[int] | None = None  # a write's: each slot's xxh3-64, taken as the copy filled it
 
 
 class Outcome(msgspec.Struct, tag=True):

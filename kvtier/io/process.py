@@ -136,7 +136,7 @@ class _Server:
         store = self.stores[job.tier]
         try:
             if job.write:
-                reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline)
+                reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline, job.checksums)
             else:
                 reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline)
         except Exception as error:  # every job gets an answer, whatever the store raises

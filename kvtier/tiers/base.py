@@ -150,8 +150,10 @@ class TierStore(ABC):
 
     @abstractmethod
     def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
-                   deadline: float) -> list[str | None]:
-        """Write each slot as its key's entry; per block None (stored) or why not."""
+                   deadline: float, checksums: Sequence[int] | None = None) -> list[str | None]:
+        """Write each slot as its key's entry; per block None (stored) or why not. ``checksums``,
+        where the worker sends them, are the slots' xxh3-64, taken by the copy that filled them
+        (``kvtier.entry.encode_header``'s ``check``): the store then does not read the slots to take them."""
 
     num_down = 0  # times the store's client was marked down (a storage pool)
 

@@ -355,11 +355,11 @@ class DiskStore(TierStore):
         return [self._read_guarded(key, memoryview(self.host[slot]), location)
                 for key, slot, location in zip(keys, slot_ids, locations)]
 
-    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
         reasons: list[str | None] = []
         for first, end in _runs(locations, self.entry_bytes):
             reasons += self._write_guarded(keys[first:end], [memoryview(self.host[s]) for s in slot_ids[first:end]],
-                                           locations[first])
+                                           locations[first], None if checksums is None else checksums[first:end])
         return reasons
 
     def _read_guarded(self, key: bytes, out: memoryview, location: int) -> str | None:
@@ -368,11 +368,12 @@ class DiskStore(TierStore):
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
-    def _write_guarded(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int) -> list[str | None]:
+    def _write_guarded(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int,
+                       checks: Sequence[int] | None) -> list[str | None]:
         if skipped := self.back_off.skipped():
             return [skipped] * len(keys)
         try:
-            self.write_run(keys, payloads, location)
+            self.write_run(keys, payloads, location, checks)
             return [None] * len(keys)
         except Exception as error:
             # The entries wholly written before the error (a full device) are stored; the place
@@ -396,15 +397,17 @@ class DiskStore(TierStore):
         """Write one entry into its place."""
         self.write_run([key], [payload], location)
 
-    def write_run(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int) -> None:
-        """Write entries into consecutive places from ``location`` on, in one vectored write."""
+    def write_run(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int,
+                  checks: Sequence[int] | None = None) -> None:
+        """Write entries into consecutive places from ``location`` on, in one vectored write
+        (``checks``: the payloads' checksums, where they were taken already)."""
         fd, offset = self._file(location)
         buffers = []
-        for key, payload in zip(keys, payloads):
+        for key, payload, check in zip(keys, payloads, checks or [None] * len(keys)):
             payload = memoryview(payload).cast("B")  # lengths and short-write slices in bytes
             # Header, then payload, as the place holds them. Either may land first or alone: the
             # header's checksum covers the payload, so any mix of old and new bytes is a miss.
-            buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key)), payload]
+            buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key, check)), payload]
         _pwritev_all(fd, buffers, offset)
 
     def read(self, key: bytes, out: memoryview, location: int) -> str | None:

@@ -47,8 +47,10 @@ class EntryFiles(TierStore):
     def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
         return [self._read_guarded(key, memoryview(self.host[slot])) for key, slot in zip(keys, slot_ids)]
 
-    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return [self._write_guarded(key, memoryview(self.host[slot])) for key, slot in zip(keys, slot_ids)]
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
+        checks = checksums or [None] * len(keys)
+        return [self._write_guarded(key, memoryview(self.host[slot]), check)
+                for key, slot, check in zip(keys, slot_ids, checks)]
 
     def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
         try:
@@ -56,11 +58,11 @@ class EntryFiles(TierStore):
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
-    def _write_guarded(self, key: bytes, payload: memoryview) -> str | None:
+    def _write_guarded(self, key: bytes, payload: memoryview, check: int | None) -> str | None:
         if skipped := self.back_off.skipped():
             return skipped
         try:
-            self.write(key, payload)
+            self.write(key, payload, check)
             return None
         except Exception as error:
             return self.back_off.failed(error)
@@ -68,15 +70,16 @@ class EntryFiles(TierStore):
     def path(self, key: bytes) -> Path:
         return entry_path(self.root, self.rank_fingerprint, key)
 
-    def write(self, key: bytes, payload: memoryview) -> None:
-        """Write one entry atomically (temporary file, then rename). Raises OSError."""
+    def write(self, key: bytes, payload: memoryview, check: int | None = None) -> None:
+        """Write one entry atomically (temporary file, then rename). Raises OSError. ``check``: the
+        payload's checksum, where it was taken already."""
         path = self.path(key)
         parent = str(path.parent)
         if parent not in self._made_dirs:
             _make_dirs(self.root, path.parent)
             with self._lock:
                 self._made_dirs.add(parent)
-        header = encode_header(self.rank_fingerprint, key, payload, self.mac_key)
+        header = encode_header(self.rank_fingerprint, key, payload, self.mac_key, check)
         temporary = f"{path}.{self._writer_id}.{threading.get_ident()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:

@@ -491,9 +491,10 @@ class PoolStore(TierStore):
                 if hit else "missing or wrong size in the storage pool"
                 for key, slot, hit in zip(keys, slot_ids, found)]
 
-    def write_from(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        for key, slot in zip(keys, slot_ids):
-            self.heads[slot] = np.frombuffer(encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key), np.uint8)
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
+        for key, slot, check in zip(keys, slot_ids, checksums or [None] * len(keys)):
+            header = encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key, check)
+            self.heads[slot] = np.frombuffer(header, np.uint8)
         stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],
                                   [memoryview(self.heads[s]) for s in slot_ids],
                                   [memoryview(self.host[s]) for s in slot_ids])

@@ -143,10 +143,10 @@ class SharedDirStore(EntryFiles):
                 pass
         return why
 
-    def write(self, key: bytes, payload: memoryview) -> None:
+    def write(self, key: bytes, payload: memoryview, check: int | None = None) -> None:
         if _size(self.path(key)) == self._entry_bytes:
             return  # another instance stored this block already: entries of one key are identical
-        super().write(key, payload)
+        super().write(key, payload, check)
         if self.max_bytes is not None:
             with self._used_lock:
                 self._used += self._entry_bytes

@@ -1,4 +1,8 @@
-"""CPU device: blocks are copied by a native loop (``copy_blocks``, GIL released) on copy threads."""
+"""CPU device: blocks are copied by a native loop (``copy_blocks``, GIL released) on copy threads.
+
+A store that copies whole slots can take each slot's checksum in the same loop, piece by
+piece while the bytes it just wrote are in cache (``checksums``): the I/O process then
+frames the slot's entries for every tier without reading the slot again."""
 
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ class CpuCopier(DeviceCopier):
     """Copies run on ``num_threads`` threads; ``start`` only enqueues."""
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int,
-                 head_bytes: int = 0):
-        """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.host_slots``)."""
+                 head_bytes: int = 0, checksums: bool = False):
+        """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.host_slots``).
+        ``checksums``: a store of whole slots reports each slot's xxh3-64 (``TransferResult.checksums``)."""
         self._layout = layout
         # Copies use raw addresses: hold the tensors so their memory outlives every copy.
         self._tensors = list(tensors)
@@ -37,6 +42,10 @@ class CpuCopier(DeviceCopier):
         self._segments: dict[tuple[int, ...] | None, np.ndarray] = {
             indices: layout.segment_table(self._tensor_addresses, indices)
             for indices in [None, *((i,) for i in range(len(self._tensors)))]}
+        # A checksum covers a slot: only where the segments write every byte of it, in order.
+        table = self._segments[None]
+        self._checksums = checksums and bool(np.array_equal(table[:, 2], np.cumsum(table[:, 3]) - table[:, 3])
+                                             and table[:, 3].sum() == layout.slot_bytes)
         self._num_threads = num_threads
         # Plain threads on a SimpleQueue: a put is far cheaper for the caller (the compute
         # thread, once per layer) than an executor's submit, which creates a Future and
@@ -79,6 +88,8 @@ class CpuCopier(DeviceCopier):
             block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
             if block_ids.shape != slot_ids.shape:
                 raise ValueError("block_ids and slot_ids must have the same length")
+            whole = self._checksums and job.to_host and job.tensor_indices is None
+            sums = np.empty(block_ids.size, np.uint64) if whole else None
         except Exception as error:  # a bad job is a failed job, reported once
             on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))
             return
@@ -89,8 +100,8 @@ class CpuCopier(DeviceCopier):
             try:
                 num_bytes = copy_runs.copy_blocks(segments, block_ids, slot_ids, self._host_address,
                                                   self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
-                                                  job.to_host, self._slot_pitch)
-                result = TransferResult(job.job_id, True, num_bytes, time.perf_counter() - began)
+                                                  job.to_host, self._slot_pitch, sums)
+                result = TransferResult(job.job_id, True, num_bytes, time.perf_counter() - began, checksums=sums)
             except Exception as error:
                 result = TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}")
             on_done(result)
@@ -106,7 +117,7 @@ class CpuCopier(DeviceCopier):
             try:
                 num_bytes = copy_runs.copy_blocks(segments, block_ids[part], slot_ids[part], self._host_address,
                                                   self._layout.slot_bytes, self._layout.num_blocks, self._num_slots,
-                                                  job.to_host, self._slot_pitch)
+                                                  job.to_host, self._slot_pitch, None if sums is None else sums[part])
             except Exception as error:
                 num_bytes = 0
                 with lock:
@@ -117,7 +128,7 @@ class CpuCopier(DeviceCopier):
                 last = remaining[0] == 0
             if last:  # exactly one thread reports the job, after every part has finished
                 on_done(TransferResult(job.job_id, not errors, copied[0], time.perf_counter() - began,
-                                       errors[0] if errors else None))
+                                       errors[0] if errors else None, sums))  # every part's sums are in
 
         for part in parts[1:]:  # the other copy threads take these; this one copies the first
             self._tasks.put((run, part))

@@ -40,6 +40,7 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    checksums: np.ndarray | None = None  # a store's, where the copier took them: each slot's xxh3-64, in job order
 
 
 class DeviceCopier(ABC):

@@ -28,7 +28,8 @@ def chunk_blocks(slot_bytes: int) -> int:
 
 
 def merged(first: TransferResult | None, second: TransferResult) -> TransferResult:
-    """One result for a job made of several transfers (its layers)."""
+    """One result for a job made of several transfers (its layers): no layer's copy covers a whole
+    slot, so none took checksums."""
     if first is None:
         return second
     return TransferResult(second.job_id, first.success and second.success, first.num_bytes + second.num_bytes,

@@ -136,6 +136,8 @@ class StorePath:
             report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
         elif self.verifier is not None:
             self.verifier.received(job.slot_ids)
+        # Each slot's checksum, where the copy took it: every tier's write frames the slot without reading it.
+        sums = None if result.checksums is None else dict(zip(job.slot_ids, result.checksums.tolist()))
         chunks = []  # (tier, keys, their slots, their locations), about CHUNK_BYTES each
         for tier, keys in writes.items():
             slots, locations = job.slots_of(keys), job.write_locations.get(tier) or [-1] * len(keys)
@@ -154,7 +156,8 @@ class StorePath:
             if self.io is None:
                 written([unavailable("no I/O process")] * len(keys))
             else:
-                self.io.submit(tier, True, keys, slots, locations, deadline, written)
+                self.io.submit(tier, True, keys, slots, locations, deadline, written,
+                               None if sums is None else [sums[slot] for slot in slots])
 
     def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
         """The I/O process answered one chunk of a tier's writes (on its receiver thread, or the engine's step)."""

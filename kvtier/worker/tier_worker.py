@@ -96,7 +96,9 @@ class TierWorker:
             from kvtier.transfer.cuda import CudaCopier
             return CudaCopier(self.layout, self.tensors, self.host_buffer, warm_up=first)
         from kvtier.transfer.cpu import CpuCopier
-        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads, self.slots.head_bytes)
+        # Checksums taken in the copy are plain xxh3: with an entry key the I/O process makes its keyed tags.
+        return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads, self.slots.head_bytes,
+                         checksums=self.config.entry_key_file is None)
 
     @property
     def num_layers(self) -> int:
