@@ -104,7 +104,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(sum_obj, &sum, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) != 0) goto done;
         const char *f = sum.format ? sum.format : "B";
         if (*f == '<' || *f == '=' || *f == '@') f++;
-        if (sum.itemsize != 8 || !strchr("qlQL", *f) || f[1] != 0 || sum.len != blk.len || !to_host) {
+        if (sum.itemsize != 8 || *f == 0 || !strchr("qlQL", *f) || f[1] != 0 || sum.len != blk.len || !to_host) {
             PyErr_SetString(PyExc_ValueError, "copy_blocks: sums must be a writable 64-bit buffer of one item per "
                                               "block, and only for a copy to the host");
             goto done;
