@@ -67,8 +67,12 @@ def encode_header(fingerprint: bytes, key: bytes, payload, mac_key: bytes | None
 
 
 def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_bytes: int,
-                mac_key: bytes | None = None) -> str | None:
-    """None if the entry is the expected one, else why it is not (a miss)."""
+                mac_key: bytes | None = None, sums: list | None = None, at: int = 0) -> str | None:
+    """None if the entry is the expected one, else why it is not (a miss).
+
+    ``sums``: the caller checks a plain entry's checksum itself (a load's copy to the device
+    takes it as it reads the payload): the payload is not read here, the header's checksum
+    is left in ``sums[at]``. A keyed entry's tag is always checked here."""
     if len(header) < HEADER_BYTES:
         return "truncated header"
     magic, version, flags, entry_fingerprint, entry_key, length, entry_checksum = _HEADER.unpack_from(header)
@@ -88,6 +92,9 @@ def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_
         return None if _tag(mac_key, fingerprint, key, payload) == entry_checksum else "entry key tag mismatch"
     if flags & KEYED:
         return "signed with an entry key, and none is configured"
+    if sums is not None:
+        sums[at] = entry_checksum
+        return None
     if checksum(payload) != entry_checksum:
         return "checksum mismatch"
     return None

@@ -387,15 +387,22 @@ def test_a_pool_store_connects_when_its_process_starts_not_at_its_first_job():
             observer.close()
 
 
-def _job(path, write: bool, keys, slot_ids, checksums=None) -> list:
-    """One job through ``path``'s I/O process; its reasons, one per block."""
+def _job(path, write: bool, keys, slot_ids, checksums=None, check_in_copy=False):
+    """One job through ``path``'s I/O process; its reasons, one per block (with ``check_in_copy``,
+    and the checksums the store answered, or None)."""
     import threading
 
-    answered, reasons = threading.Event(), []
-    path.io.submit(path.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 30,
-                   lambda answer: (reasons.extend(answer), answered.set()), checksums)
+    answered, reasons, sums = threading.Event(), [], [None]
+
+    def callback(answer, checksums=None):
+        reasons.extend(answer)
+        sums[0] = checksums
+        answered.set()
+
+    path.io.submit(path.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 30, callback, checksums,
+                   check_in_copy)
     assert answered.wait(30)
-    return reasons
+    return (reasons, sums[0]) if check_in_copy else reasons
 
 
 @pytest.mark.parametrize("keyed", [False, True])
@@ -439,5 +446,12 @@ def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, key
             reasons = _job(path, False, keys, [0, 1, 2, 3])
             assert np.array_equal(path.slots[:3], rows[:3])
             assert reasons == [None] * 4 if keyed else reasons[:3] == [None] * 3 and reasons[3] == "checksum mismatch"
+            # A read whose checksums the load's copy checks: the store checks the rest and answers the
+            # checksum each header holds (slot 3's wrong one too, for the copy to catch); a keyed store
+            # checks its tags itself and answers none.
+            path.slots[:] = 0
+            reasons, answered = _job(path, False, keys, [0, 1, 2, 3], check_in_copy=True)
+            assert reasons == [None] * 4 and np.array_equal(path.slots, rows)
+            assert answered == [None] * 4 if keyed else answered == sums
         finally:
             path.close()

@@ -148,8 +148,38 @@ def test_a_copy_to_the_host_takes_each_slots_xxh3_as_it_writes_it(data, kind, he
     assert sums.tolist() == [checksum(summed[s, head:].numpy()) for s in slot_ids]
 
 
-def test_sums_are_taken_only_of_whole_slots_copied_to_the_host():
-    """A checksum covers a whole slot: no sums for a load, for one layer's segments, or into a buffer
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(["blocks_first", "kv_first", "mla", "cross_layer"]),
+       head=st.sampled_from([0, 64]), threads=st.integers(1, 3))
+def test_a_copy_from_the_host_takes_each_slots_xxh3_as_it_reads_it(data, kind, head, threads):
+    """A load with ``sums`` leaves each slot's xxh3-64 as it read it (what the load compares with
+    its entry's checksum), and writes the device the same bytes as a load without sums."""
+    shapes = {"blocks_first": [(NB, 2, BS, 2 * 8)] * 3, "kv_first": [(2, NB, BS, 2, 8)] * 2,
+              "mla": [(NB, BS, 24)] * 2, "cross_layer": [(NB, 3, 2, BS, 8)]}[kind]
+    devices = [[torch.randint(-2**15, 2**15, shape, dtype=torch.int16) for shape in shapes]]
+    devices.append([t.clone() for t in devices[0]])
+    layout = detect_layout(infos(devices[0]), NB, BS, "cross_layer" if kind == "cross_layer" else None)
+    num_slots, pitch = 2 * NB, head + layout.slot_bytes
+    count = data.draw(st.integers(0, NB))
+    block_ids = np.array(data.draw(st.permutations(range(NB)))[:count], dtype=np.int64)
+    slot_ids = np.array(data.draw(st.permutations(range(num_slots)))[:count], dtype=np.int64)
+    host = torch.randint(0, 256, (num_slots, pitch), dtype=torch.uint8)
+    before = host.clone()
+    sums = np.full(count, 7, np.uint64)
+    copy_runs.copy_blocks(layout.segment_table([t.data_ptr() for t in devices[0]]), block_ids, slot_ids,
+                          host.data_ptr() + head, layout.slot_bytes, NB, num_slots, False, pitch)
+    table = layout.segment_table([t.data_ptr() for t in devices[1]])
+    for part in np.array_split(np.arange(count), threads):
+        part = slice(part[0], part[-1] + 1) if part.size else slice(0, 0)
+        copied = copy_runs.copy_blocks(table, block_ids[part], slot_ids[part], host.data_ptr() + head,
+                                       layout.slot_bytes, NB, num_slots, False, pitch, sums[part])
+        assert copied == len(block_ids[part]) * layout.slot_bytes
+    assert all(torch.equal(a, b) for a, b in zip(*devices)) and torch.equal(host, before)
+    assert sums.tolist() == [checksum(host[s, head:].numpy()) for s in slot_ids]
+
+
+def test_sums_are_taken_only_of_whole_slots():
+    """A checksum covers a whole slot: no sums for one layer's segments (either way), or into a buffer
     that is not one 64-bit item per block. Nothing is copied then."""
     tensors = [torch.ones(NB, 2, BS, 8, dtype=torch.int16) for _ in range(2)]
     layout = detect_layout(infos(tensors), NB, BS)
@@ -157,14 +187,15 @@ def test_sums_are_taken_only_of_whole_slots_copied_to_the_host():
     addresses = [t.data_ptr() for t in tensors]
     ids = np.array([0, 1], np.int64)
     for table, to_host, sums, why in [
-            (layout.segment_table(addresses), False, np.zeros(2, np.uint64), "only for a copy to the host"),
             (layout.segment_table(addresses, (1,)), True, np.zeros(2, np.uint64), "tile the slot"),
+            (layout.segment_table(addresses, (1,)), False, np.zeros(2, np.uint64), "tile the slot"),
             (layout.segment_table(addresses), True, np.zeros(3, np.uint64), "one item per block"),
+            (layout.segment_table(addresses), False, np.zeros(3, np.uint64), "one item per block"),
             (layout.segment_table(addresses), True, np.zeros(2, np.int32), "64-bit")]:
         with pytest.raises(ValueError, match=why):
             copy_runs.copy_blocks(table, ids, ids, host.data_ptr(), layout.slot_bytes, NB, 4, to_host,
                                   layout.slot_bytes, sums)
-        assert not host.any()
+        assert not host.any() and all(bool((t == 1).all()) for t in tensors)
 
 
 def test_native_block_copy_refuses_a_pitch_shorter_than_a_slot():

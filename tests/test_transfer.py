@@ -82,10 +82,12 @@ def test_store_then_load_is_byte_exact_with_scattered_ids():
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one part copied in place; parts on several threads
-def test_a_store_of_whole_slots_reports_each_slots_checksum_and_nothing_else_does(threads):
+def test_a_store_of_whole_slots_and_a_checked_load_report_each_slots_checksum_and_nothing_else_does(threads):
     """``checksums``: a store's result carries each slot's xxh3-64 in the job's order (what its tier
-    writes frame the entries with); a layer's copy, a load, and a copier without them carry none."""
+    writes frame the entries with), and so does a ``checked`` load's (what the load compares with its
+    entries'); a layer's copy, an unchecked load, and a copier without them carry none."""
     engine, tensors, host, layout = make_engine(threads=threads, checksums=True)
+    assert engine.takes_checksums
     slots = host.numpy().reshape(64, layout.slot_bytes)
     block_ids, slot_ids = np.array([7, 3, 50, 51, 52, 9, 60]), np.array([10, 11, 2, 3, 4, 40, 63])
     stores = [engine.submit(TransferJob(block_ids, slot_ids, True)),
@@ -95,10 +97,19 @@ def test_a_store_of_whole_slots_reports_each_slots_checksum_and_nothing_else_doe
     assert all(r.success for r in results.values())
     assert results[stores[0]].checksums.tolist() == [checksum(slots[s]) for s in slot_ids]
     assert results[stores[1]].checksums is None and results[stores[2]].checksums is None
+    slots[slot_ids[2]] ^= 0x5A  # the load reports what it read
+    loaded = engine.submit(TransferJob(block_ids[::-1], slot_ids, False, checked=True))
+    result, = drain(engine, 1)
+    assert result.job_id == loaded and result.success
+    assert result.checksums.tolist() == [checksum(slots[s]) for s in slot_ids]
+    assert all(torch.equal(t[block_ids[::-1][2]].view(-1).view(torch.uint8), torch.from_numpy(
+        slots[slot_ids[2]][i * t[0].nbytes:(i + 1) * t[0].nbytes])) for i, t in enumerate(tensors))
     engine.close()
     plain, *_ = make_engine(threads=threads)
+    assert not plain.takes_checksums
     plain.submit(TransferJob(block_ids, slot_ids, True))
-    assert drain(plain, 1)[0].checksums is None
+    plain.submit(TransferJob(block_ids, slot_ids, False, checked=True))
+    assert [r.checksums for r in drain(plain, 2)] == [None, None]
     plain.close()
 
 

@@ -16,11 +16,12 @@
  *   against num_blocks and num_slots, and every segment row against slot_bytes (no
  *   negative length or offset, no run past a slot's end), before any byte moves; runs that continue on
  *   both sides are merged into one memcpy. Returns the bytes copied.
- *   With sums (an int64 buffer of one item per block, or None), a copy to the host
- *   also leaves in sums[i] the xxh3-64 of slot_ids[i]'s bytes once written (the
- *   entry checksum, kvtier.entry): each piece is hashed right after its memcpy,
- *   while its bytes are still in cache, rather than read again from memory by the
- *   I/O process. The segments must then tile the slot, in order, from offset 0.
+ *   With sums (an int64 buffer of one item per block, or None), the copy also leaves
+ *   in sums[i] the xxh3-64 of slot_ids[i]'s bytes (the entry checksum, kvtier.entry):
+ *   to the host, of the bytes it wrote; from the host, of the bytes it read. Each
+ *   piece is hashed next to its memcpy, while its bytes are in cache, rather than
+ *   read again from memory by the I/O process. The segments must then tile the
+ *   slot, in order, from offset 0.
  *
  * The caller guarantees that every address is valid for the whole call and that
  * runs do not overlap.
@@ -104,9 +105,9 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(sum_obj, &sum, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) != 0) goto done;
         const char *f = sum.format ? sum.format : "B";
         if (*f == '<' || *f == '=' || *f == '@') f++;
-        if (sum.itemsize != 8 || *f == 0 || !strchr("qlQL", *f) || f[1] != 0 || sum.len != blk.len || !to_host) {
+        if (sum.itemsize != 8 || *f == 0 || !strchr("qlQL", *f) || f[1] != 0 || sum.len != blk.len) {
             PyErr_SetString(PyExc_ValueError, "copy_blocks: sums must be a writable 64-bit buffer of one item per "
-                                              "block, and only for a copy to the host");
+                                              "block");
             goto done;
         }
         state = XXH3_createState();
@@ -154,15 +155,22 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     if (state != NULL) {
         int64_t *out = (int64_t *)sum.buf;
         Py_BEGIN_ALLOW_THREADS
-        /* Block by block, each slot in order: a piece is hashed just after its memcpy wrote it. */
+        /* Block by block, each slot in order. To the host a piece is hashed just after its memcpy
+         * wrote it; from the host just before its memcpy reads it, which then reads it from cache. */
         for (Py_ssize_t i = 0; i < n; i++) {
             XXH3_64bits_reset(state);
             for (Py_ssize_t r = 0; r < n_seg; r++) {
                 const int64_t base = rows[4 * r], stride = rows[4 * r + 1], offset = rows[4 * r + 2];
                 const size_t nbytes = (size_t)rows[4 * r + 3];
                 char *slot = (char *)(uintptr_t)(host + s[i] * slot_pitch + offset);
-                memcpy(slot, (const char *)(uintptr_t)(base + b[i] * stride), nbytes);
-                XXH3_64bits_update(state, slot, nbytes);
+                char *device = (char *)(uintptr_t)(base + b[i] * stride);
+                if (to_host) {
+                    memcpy(slot, device, nbytes);
+                    XXH3_64bits_update(state, slot, nbytes);
+                } else {
+                    XXH3_64bits_update(state, slot, nbytes);
+                    memcpy(device, slot, nbytes);
+                }
             }
             out[i] = (int64_t)XXH3_64bits_digest(state);
         }

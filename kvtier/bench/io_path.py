@@ -3,6 +3,7 @@ process running one tier's store, fed with jobs as a worker feeds them."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -40,16 +41,21 @@ class IOPath:
         return sums.tolist()
 
     def run(self, write: bool, keys: list[bytes], batch: int, in_flight: int = 2,
-            checksums: list[int] | None = None) -> float:
+            checksums: list[int] | None = None, check_in_copy: bool = False) -> float:
         """Seconds to write (or read) ``keys[i]`` from (into) slot i, ``batch`` blocks per job,
         at most ``in_flight`` jobs at once (a worker with several requests' jobs under way); a
-        write carries ``checksums[i]`` for slot i where given (``fill``)."""
+        write carries ``checksums[i]`` for slot i where given (``fill``). A read with
+        ``check_in_copy`` leaves the entries' checksums to the caller, as a CPU worker's load
+        leaves them to its copy: ``answered_sums[i]`` is slot i's entry's."""
         free = threading.Semaphore(in_flight)
         done = threading.Semaphore(0)
         failures: list[str] = []
+        self.answered_sums: list[int | None] = [None] * len(keys)
 
-        def answered(reasons):
+        def answered(part, reasons, sums=None):
             failures.extend(r for r in reasons if r is not None)
+            if sums is not None:
+                self.answered_sums[part.start:part.stop] = sums
             free.release()
             done.release()
 
@@ -59,7 +65,8 @@ class IOPath:
             free.acquire()
             part = range(start, min(start + batch, len(keys)))
             self.io.submit(self.tier, write, [keys[i] for i in part], list(part), list(part), time.monotonic() + 60,
-                           answered, None if checksums is None else checksums[part.start:part.stop])
+                           functools.partial(answered, part),
+                           None if checksums is None else checksums[part.start:part.stop], check_in_copy)
         for _ in starts:
             done.acquire()
         elapsed = time.perf_counter() - began
@@ -67,14 +74,24 @@ class IOPath:
             raise RuntimeError(f"{len(failures)} blocks failed: {failures[0]}")
         return elapsed
 
-    def job(self, write: bool, keys: list[bytes], slot_ids: list[int], checksums: list[int] | None = None) -> float:
+    def job(self, write: bool, keys: list[bytes], slot_ids: list[int], checksums: list[int] | None = None,
+            check_in_copy: bool = False) -> float:
         """Seconds for one job: ``keys[i]`` written from (read into) slot ``slot_ids[i]``, whose
-        checksum a write carries where given."""
+        checksum a write carries where given; a read with ``check_in_copy`` leaves its entries'
+        checksums in ``answered_sums`` (as ``run``)."""
         answered = threading.Event()
         reasons: list = []
+        self.answered_sums = [None] * len(keys)
+
+        def callback(answer, sums=None):
+            reasons.extend(answer)
+            if sums is not None:
+                self.answered_sums = list(sums)
+            answered.set()
+
         began = time.perf_counter()
-        self.io.submit(self.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 60,
-                       lambda answer: (reasons.extend(answer), answered.set()), checksums)
+        self.io.submit(self.tier, write, keys, slot_ids, slot_ids, time.monotonic() + 60, callback, checksums,
+                       check_in_copy)
         answered.wait()
         elapsed = time.perf_counter() - began
         failed = [r for r in reasons if r is not None]

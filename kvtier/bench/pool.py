@@ -2,10 +2,12 @@
 prefill/decode through it.
 
 Put and get GB/s of whole blocks through kvtier's real path (jobs to its I/O
-process: header, validation, zero-copy buffers; a put frames each entry with the
-checksum that the copy filling its slot took, as a CPU worker's store does, and a
-get checks every entry's) beside the store's own client moving the same bytes in
-the same run, one batch at a time on both sides:
+process: header, validation, zero-copy buffers), as a CPU worker's: a put frames
+each entry with the checksum that the copy filling its slot took; a get checks
+every field of each entry's header and answers its checksum, which the load's copy
+to the device compares as it reads the slot (``kvtier bench transfer``'s load
+takes it; here it is compared after the clock). Beside it, the store's own client
+moves the same bytes in the same run, one batch at a time on both sides:
 Mooncake's ``batch_put_from``/``batch_get_into`` on one registered buffer, Redis's
 pipelined ``SET``/``GET``. The two take turns batch by batch over 3 rounds, after one
 round not counted. Then, on a generated model: the decode instance's
@@ -54,8 +56,12 @@ class _TierPath:
 
     def batch(self, op: str, round_: int, part: range) -> float:
         keys = [i.to_bytes(15, "little") + bytes([round_]) for i in part]
-        sums = [self.sums[i] for i in part] if op == "put" else None
-        return self.path.job(op == "put", keys, list(part), sums)
+        sums = [self.sums[i] for i in part]
+        if op == "put":
+            return self.path.job(True, keys, list(part), sums)
+        seconds = self.path.job(False, keys, list(part), check_in_copy=True)
+        assert self.path.answered_sums == sums, "a get answered other checksums than its entries were put with"
+        return seconds
 
     def check(self) -> None:
         assert np.array_equal(self.path.slots, self.payload), "kvtier read back other bytes than it wrote"

@@ -1,13 +1,15 @@
 """``kvtier bench transfer``: host pool and disk tier throughput against plain copies.
 
 Offload and load move scattered blocks of a vLLM-CPU-layout KV cache through the
-transfer engine, as a CPU worker's (an offload takes each slot's checksum as it
-copies); the peer is one plain ``copy_`` of the same number of bytes between two
-preallocated buffers. Disk write/read go through the disk tier's real path: jobs of
-``BLOCKS_PER_JOB`` blocks to kvtier's I/O process (two in flight, as a worker with
-several requests has), which frames each entry with its offload's checksum and writes
-it atomically, and checks each entry it reads; the peer is one plain sequential file
-written and read in 4 MiB chunks.
+transfer engine, as a CPU worker's: an offload takes each slot's checksum as it
+copies, and so does a load, to compare with the checksums the slots' entries hold
+(compared after the clock); the peer is one plain ``copy_`` of the same number of
+bytes between two preallocated buffers. Disk write/read go through the disk tier's
+real path: jobs of ``BLOCKS_PER_JOB`` blocks to kvtier's I/O process (two in flight,
+as a worker with several requests has), which frames each entry with its offload's
+checksum and writes it atomically, and checks each entry it reads but its checksum,
+which it answers for the load's copy to compare (compared here after the clock); the
+peer is one plain sequential file written and read in 4 MiB chunks.
 """
 
 from __future__ import annotations
@@ -65,13 +67,15 @@ def run(gib: float = 1.0, num_layers: int = 12, block_size: int = 32, kv_width: 
 
     def timed(to_host: bool) -> float:
         began = time.perf_counter()
-        job_id = engine.submit(TransferJob(block_ids, slot_ids, to_host))
+        job_id = engine.submit(TransferJob(block_ids, slot_ids, to_host, checked=not to_host))
         engine.wait([job_id])
         elapsed = time.perf_counter() - began
         (result,) = engine.poll()
         assert result.success and result.job_id == job_id, result
         if to_host:
             sums[slot_ids] = result.checksums
+        else:  # what a load compares with its entries' checksums
+            assert np.array_equal(result.checksums, sums[slot_ids]), "a load hashed other bytes than were offloaded"
         return elapsed
 
     source = torch.empty(moved_bytes, dtype=torch.uint8)
@@ -161,7 +165,8 @@ def _disk(slots: np.ndarray, checksums: list[int], disk_dir: str | None, io_thre
             os.sync()
             writes.append(path.run(True, round_keys, BLOCKS_PER_JOB, checksums=checksums))
             path.slots[:] = 0
-            reads.append(path.run(False, round_keys, BLOCKS_PER_JOB))
+            reads.append(path.run(False, round_keys, BLOCKS_PER_JOB, check_in_copy=True))
+            assert path.answered_sums == checksums, "the disk tier answered other checksums than it wrote"
             os.truncate(entries_file(tier_root, path.fingerprint), 0)  # as the plain file is deleted
             if progress:
                 progress()

@@ -5,7 +5,8 @@ A storage pool's index holds one too, with no host pool: its lookup process, ask
 
 ``submit`` sends a small message and returns; the answer is read by whichever
 thread comes first, this class's receiver thread or the engine's step (``pump``),
-which calls the job's callback with one reason per block (None: done). If the
+which calls the job's callback with one reason per block (None: done), and for a
+read sent with ``check_in_copy`` that the store answered, its entries' checksums. If the
 I/O process dies (a store client crashed), every job it held is answered as
 failed at once, which is safe: a dead process writes nothing more
 into the host pool. A new process is started; after ``MAX_RESTARTS`` deaths
@@ -175,13 +176,16 @@ class IOProcess:
 
     def submit(self, tier: str, write: bool, keys: Sequence[bytes], slot_ids: Sequence[int],
                locations: Sequence[int], deadline: float, callback: Callback,
-               checksums: Sequence[int] | None = None) -> None:
+               checksums: Sequence[int] | None = None, check_in_copy: bool = False) -> None:
         """Run one job in the I/O process; ``callback(reasons)`` is called once, on another thread
         or, if the job cannot be sent, on this one. A write may carry its slots' checksums
-        (``TierStore.write_from``)."""
+        (``TierStore.write_from``). A read with ``check_in_copy`` leaves its plain entries' checksums
+        to the caller: the store answers them, ``callback(reasons, checksums)`` (``Outcome``); a read
+        that failed as a whole gets ``callback(reasons)``."""
         sums = None if checksums is None else list(checksums)
         self._send(tier, len(keys), callback,
-                   lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline, sums))
+                   lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline, sums,
+                                      check_in_copy))
 
     def check(self, tier: str, names: Sequence[str]) -> "Check":
         """Ask ``tier``'s store whether each name is stored; the answer comes later (``Check``)."""
@@ -249,8 +253,14 @@ class IOProcess:
             if isinstance(message, (Outcome, Found)):
                 with self._lock:
                     entry = self._callbacks.pop(message.job_id, None)
-                if entry is not None:  # None: already failed, its process having died meanwhile
-                    entry[1](message.reasons if isinstance(message, Outcome) else message)
+                if entry is None:  # already failed, its process having died meanwhile
+                    continue
+                if isinstance(message, Found):
+                    entry[1](message)
+                elif message.checksums is None:
+                    entry[1](message.reasons)
+                else:
+                    entry[1](message.reasons, message.checksums)
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()

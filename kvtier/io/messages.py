@@ -39,11 +39,17 @@ class Job(msgspec.Struct, tag=True):
     locations: list[int]  # where the tier's index put each key (-1: the store finds it)
     deadline: float  # time.monotonic() of the engine's host (the same clock in every process)
     checksums: list[int] | None = None  # a write's: each slot's xxh3-64, taken as the copy filled it
+    # A read's: the worker's copy to the device checks each plain entry's checksum as it reads the slot;
+    # the store checks the rest of the entry and answers its checksum (``Outcome.checksums``).
+    check_in_copy: bool = False
 
 
 class Outcome(msgspec.Struct, tag=True):
     job_id: int
     reasons: list[str | None]  # per block: None done, else why not
+    # A check_in_copy read's, per block: the checksum its entry's header holds, for the worker to
+    # compare; None where the store checked the entry itself (a keyed one) or read none.
+    checksums: list[int | None] | None = None
 
 
 class Exists(msgspec.Struct, tag=True):

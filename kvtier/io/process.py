@@ -4,7 +4,8 @@ Started by ``IOProcess`` (``kvtier.io.client``) as ``python -m kvtier.io.process
 <memory fd> <socket fd> <answers fd>``. It maps the worker's host pool from the inherited
 memory file, builds one ``TierStore`` per tier from the ``Setup`` message, and then
 serves jobs: each ``Job`` runs on its tier's threads, reads before writes, and is
-answered by one ``Outcome``, one reason per block. A store with a client (a storage
+answered by one ``Outcome``, one reason per block (and, for a read whose entries the
+worker's copy checks, the checksum each one's header holds). A store with a client (a storage
 pool) connects as soon as the process is up. It imports no torch and no engine.
 
 The same program, started with no memory file (``-1``), is a storage-pool index's
@@ -134,14 +135,15 @@ class _Server:
 
     def _run(self, job: Job) -> None:
         store = self.stores[job.tier]
+        sums = [None] * len(job.keys) if job.check_in_copy and not job.write else None
         try:
             if job.write:
                 reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline, job.checksums)
             else:
-                reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline)
+                reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline, sums)
         except Exception as error:  # every job gets an answer, whatever the store raises
-            reasons = [f"{type(error).__name__}: {error}"] * len(job.keys)
-        self._answer(Outcome(job.job_id, list(reasons)))
+            reasons, sums = [f"{type(error).__name__}: {error}"] * len(job.keys), None
+        self._answer(Outcome(job.job_id, list(reasons), sums))
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()

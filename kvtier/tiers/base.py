@@ -144,9 +144,11 @@ class TierStore(ABC):
 
     @abstractmethod
     def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
-                  deadline: float) -> list[str | None]:
+                  deadline: float, sums: list | None = None) -> list[str | None]:
         """Read each key's entry (at the index's ``location``) into its slot; per block None
-        (the slot holds the block) or why it is a miss."""
+        (the slot holds the block) or why it is a miss. ``sums`` (one item per key): the caller
+        checks plain entries' checksums (``kvtier.entry.check_entry``): each one's is left in
+        ``sums[i]``, and its payload is not read here."""
 
     @abstractmethod
     def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],

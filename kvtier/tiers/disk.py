@@ -351,9 +351,9 @@ class DiskStore(TierStore):
         self._fds_lock = threading.Lock()
         self.back_off = WriteBackOff()
 
-    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return [self._read_guarded(key, memoryview(self.host[slot]), location)
-                for key, slot, location in zip(keys, slot_ids, locations)]
+    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
+        return [self._read_guarded(key, memoryview(self.host[slot]), location, sums, i)
+                for i, (key, slot, location) in enumerate(zip(keys, slot_ids, locations))]
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
         reasons: list[str | None] = []
@@ -362,9 +362,9 @@ class DiskStore(TierStore):
                                            locations[first], None if checksums is None else checksums[first:end])
         return reasons
 
-    def _read_guarded(self, key: bytes, out: memoryview, location: int) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, location: int, sums: list | None, at: int) -> str | None:
         try:
-            return self.read(key, out, location)
+            return self.read(key, out, location, sums, at)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
@@ -410,8 +410,9 @@ class DiskStore(TierStore):
             buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key, check)), payload]
         _pwritev_all(fd, buffers, offset)
 
-    def read(self, key: bytes, out: memoryview, location: int) -> str | None:
-        """Read one entry into ``out``; None on success, else why it is a miss.
+    def read(self, key: bytes, out: memoryview, location: int, sums: list | None = None, at: int = 0) -> str | None:
+        """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
+        the caller checks the payload's checksum (``kvtier.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """
@@ -420,7 +421,7 @@ class DiskStore(TierStore):
         got = os.preadv(fd, [header, out], offset)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key)
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, sums, at)
 
     def close(self) -> None:
         _close_all(list(self._fds.values()))

@@ -44,17 +44,18 @@ class EntryFiles(TierStore):
         self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
         self.back_off = WriteBackOff()
 
-    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
-        return [self._read_guarded(key, memoryview(self.host[slot])) for key, slot in zip(keys, slot_ids)]
+    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
+        return [self._read_guarded(key, memoryview(self.host[slot]), sums, i)
+                for i, (key, slot) in enumerate(zip(keys, slot_ids))]
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
         checks = checksums or [None] * len(keys)
         return [self._write_guarded(key, memoryview(self.host[slot]), check)
                 for key, slot, check in zip(keys, slot_ids, checks)]
 
-    def _read_guarded(self, key: bytes, out: memoryview) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, sums: list | None, at: int) -> str | None:
         try:
-            return self.read(key, out)
+            return self.read(key, out, sums, at)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
             return f"read failed: {error!r}"
 
@@ -99,8 +100,9 @@ class EntryFiles(TierStore):
             _unlink_quietly(temporary)
             raise
 
-    def read(self, key: bytes, out: memoryview) -> str | None:
-        """Read one entry into ``out``; None on success, else why it is a miss.
+    def read(self, key: bytes, out: memoryview, sums: list | None = None, at: int = 0) -> str | None:
+        """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
+        the caller checks the payload's checksum (``kvtier.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """
@@ -122,7 +124,7 @@ class EntryFiles(TierStore):
             os.close(fd)
         if got != HEADER_BYTES + len(out):
             return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key)
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, sums, at)
 
 
 def _make_dirs(root: Path, path: Path) -> None:

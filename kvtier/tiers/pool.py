@@ -480,16 +480,16 @@ class PoolStore(TierStore):
         self.client.register(host_slots.ctypes.data, _end(host_slots) - host_slots.ctypes.data)
         self.client.register(self.heads.ctypes.data, self.heads.nbytes)
 
-    def read_into(self, keys, slot_ids, locations, deadline) -> list[str | None]:
+    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
         names = [pool_key(self.rank_fingerprint, key) for key in keys]
         found = self.client.call("get_into", names, [memoryview(self.heads[s]) for s in slot_ids],
                                  [memoryview(self.host[s]) for s in slot_ids])
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
         return [check_entry(bytes(self.heads[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes,
-                            self.mac_key)
+                            self.mac_key, sums, i)
                 if hit else "missing or wrong size in the storage pool"
-                for key, slot, hit in zip(keys, slot_ids, found)]
+                for i, (key, slot, hit) in enumerate(zip(keys, slot_ids, found))]
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
         for key, slot, check in zip(keys, slot_ids, checksums or [None] * len(keys)):

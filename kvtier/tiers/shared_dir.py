@@ -134,8 +134,8 @@ class SharedDirStore(EntryFiles):
             if sub.is_dir(follow_symlinks=False):
                 yield from (e for e in os.scandir(sub.path) if not e.name.endswith(".tmp"))
 
-    def read(self, key: bytes, out: memoryview) -> str | None:
-        why = super().read(key, out)
+    def read(self, key: bytes, out: memoryview, sums: list | None = None, at: int = 0) -> str | None:
+        why = super().read(key, out, sums, at)
         if why is None and self.max_bytes is not None:
             try:
                 os.utime(self.path(key))  # recently used: the last to be deleted by a size bound

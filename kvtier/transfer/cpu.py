@@ -1,8 +1,9 @@
 """CPU device: blocks are copied by a native loop (``copy_blocks``, GIL released) on copy threads.
 
-A store that copies whole slots can take each slot's checksum in the same loop, piece by
-piece while the bytes it just wrote are in cache (``checksums``): the I/O process then
-frames the slot's entries for every tier without reading the slot again."""
+A copy of whole slots can take each slot's checksum in the same loop, piece by piece while
+its bytes are in cache (``checksums``): a store's, so that the I/O process frames the
+slot's entries for every tier without reading the slot again; a checked load's, so that
+the I/O process need not read an entry's bytes to check them before the load does."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class CpuCopier(DeviceCopier):
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int,
                  head_bytes: int = 0, checksums: bool = False):
         """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.host_slots``).
-        ``checksums``: a store of whole slots reports each slot's xxh3-64 (``TransferResult.checksums``)."""
+        ``checksums``: a store of whole slots, and a ``checked`` load of them, report each slot's xxh3-64
+        (``TransferResult.checksums``)."""
         self._layout = layout
         # Copies use raw addresses: hold the tensors so their memory outlives every copy.
         self._tensors = list(tensors)
@@ -44,8 +46,8 @@ class CpuCopier(DeviceCopier):
             for indices in [None, *((i,) for i in range(len(self._tensors)))]}
         # A checksum covers a slot: only where the segments write every byte of it, in order.
         table = self._segments[None]
-        self._checksums = checksums and bool(np.array_equal(table[:, 2], np.cumsum(table[:, 3]) - table[:, 3])
-                                             and table[:, 3].sum() == layout.slot_bytes)
+        self.takes_checksums = checksums and bool(np.array_equal(table[:, 2], np.cumsum(table[:, 3]) - table[:, 3])
+                                                  and table[:, 3].sum() == layout.slot_bytes)
         self._num_threads = num_threads
         # Plain threads on a SimpleQueue: a put is far cheaper for the caller (the compute
         # thread, once per layer) than an executor's submit, which creates a Future and
@@ -85,10 +87,11 @@ class CpuCopier(DeviceCopier):
             if segments is None:  # another subset of tensors: its table made on first use
                 segments = self._segments.setdefault(
                     job.tensor_indices, self._layout.segment_table(self._tensor_addresses, job.tensor_indices))
-            block_ids, slot_ids = np.asarray(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+            block_ids = np.ascontiguousarray(job.block_ids, np.int64)
+            slot_ids = np.ascontiguousarray(job.slot_ids, np.int64)
             if block_ids.shape != slot_ids.shape:
                 raise ValueError("block_ids and slot_ids must have the same length")
-            whole = self._checksums and job.to_host and job.tensor_indices is None
+            whole = self.takes_checksums and (job.to_host or job.checked) and job.tensor_indices is None
             sums = np.empty(block_ids.size, np.uint64) if whole else None
         except Exception as error:  # a bad job is a failed job, reported once
             on_done(TransferResult(job.job_id, False, 0, 0.0, f"{type(error).__name__}: {error}"))

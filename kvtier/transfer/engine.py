@@ -12,6 +12,7 @@ with the error's text), never an exception out of ``poll``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -31,6 +32,9 @@ class TransferJob:
     to_host: bool
     job_id: int = -1  # set by submit when left at -1
     tensor_indices: tuple[int, ...] | None = None  # only these KV tensors (one layer); None: all
+    # A load whose copy takes each slot's checksum as it reads it (``TransferResult.checksums``), for
+    # the load to compare with its entries' (only where the copier ``takes_checksums``).
+    checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,16 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
-    checksums: np.ndarray | None = None  # a store's, where the copier took them: each slot's xxh3-64, in job order
+    # Where the copier took them (a store of whole slots, a checked load): each slot's xxh3-64, in job order.
+    checksums: np.ndarray | None = None
 
 
 class DeviceCopier(ABC):
     """The device-specific half of the transfer engine."""
+
+    # Whether a copy of whole slots takes their checksums: a store's always, a load's where the job
+    # is ``checked``. Where it does, entries are framed and checked with them (``kvtier.worker``).
+    takes_checksums = False
 
     @abstractmethod
     def start(self, job: TransferJob, on_done) -> None:
@@ -88,7 +97,7 @@ class TransferEngine:
         """Start ``job``; with ``inline``, copy it on this thread where the device can (a thread
         of kvtier's own that would otherwise hand it to a copy thread and wait)."""
         if job.job_id < 0:
-            job = TransferJob(job.block_ids, job.slot_ids, job.to_host, next(self._job_ids), job.tensor_indices)
+            job = dataclasses.replace(job, job_id=next(self._job_ids))
         with self._lock:
             self._in_flight.add(job.job_id)
             copier = None if self._suspended else self._copier
@@ -133,6 +142,11 @@ class TransferEngine:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 self._done.wait(timeout=0.001)
+
+    @property
+    def takes_checksums(self) -> bool:
+        """Whether copies of whole slots take their checksums (``DeviceCopier.takes_checksums``)."""
+        return self._copier.takes_checksums
 
     def order_compute_after(self, job_ids) -> bool:
         """True if the device orders the next compute after ``job_ids`` (see DeviceCopier)."""

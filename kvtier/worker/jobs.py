@@ -9,6 +9,7 @@ takes it (``take_finished``); nothing waits for the engine to advance a job.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ import numpy as np
 
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
+
+logger = logging.getLogger("kvtier.worker")
 
 # An I/O job moves about this much, loads and writes alike: a load's chunks are copied to the
 # device as each lands, and a tier's jobs run side by side on the I/O process's threads, while
@@ -49,6 +52,25 @@ class Load:
     copies_in_flight: int = 0  # host -> device copies started and not finished: never abandoned meanwhile
     layer_transfer_ids: dict[int, int] = field(default_factory=dict)
     copy_result: TransferResult | None = None
+    # A checked copy's transfer id -> (blocks, keys, checksums their entries hold; None: checked already)
+    checks: dict[int, tuple[list, list, list]] = field(default_factory=dict)
+
+    def check_copy(self, result: TransferResult) -> None:  # under the book's lock
+        """One of the load's copies to the device is over: a block whose slot did not hash to its entry's
+        checksum as the copy read it came from a damaged entry, and is a miss (the engine recomputes it)."""
+        blocks, keys, expected = self.checks.pop(result.job_id, ((), (), ()))
+        if not result.success:
+            return  # every usable block fails (``LoadPath.copied``)
+        bad = set()
+        for i, (block, key, want) in enumerate(zip(blocks, keys, expected)):
+            if want is not None and (result.checksums is None or int(result.checksums[i]) != want):
+                logger.warning("kvtier: entry %s is a miss (checksum mismatch); its block will be recomputed",
+                               key.hex())
+                self.report.failed_block_ids.append(block)
+                self.report.bad_keys.append(key)
+                bad.add(block)
+        if bad:
+            self.usable = [entry for entry in self.usable if entry[0] not in bad]
 
 
 @dataclass
@@ -82,10 +104,10 @@ class JobBook:
         self._released: list[int] = []
 
     def registered_transfer(self, block_ids, slot_ids, to_host: bool, owner: tuple[bool, int],
-                            tensor_indices: tuple[int, ...] | None = None) -> TransferJob:
+                            tensor_indices: tuple[int, ...] | None = None, checked: bool = False) -> TransferJob:
         with self.lock:  # registered before it is submitted, so a fast completion always finds its job
             transfer = TransferJob(np.asarray(block_ids, np.int64), np.asarray(slot_ids, np.int64), to_host,
-                                   next(self._transfer_ids), tensor_indices)
+                                   next(self._transfer_ids), tensor_indices, checked)
             self._owner_of_transfer[transfer.job_id] = owner
         return transfer
 
@@ -107,6 +129,8 @@ class JobBook:
             with self.lock:
                 is_load, job_id = self._owner_of_transfer.pop(result.job_id)
                 job = self.loads[job_id] if is_load else self.stores[job_id]
+                if is_load:
+                    job.check_copy(result)  # before the merge, which keeps no load's checksums
                 job.copy_result = merged(job.copy_result, result)
                 job.transfers_left -= 1
                 if is_load:

@@ -8,6 +8,12 @@ copied. A fill not answered within ``load_timeout_s`` abandons the load: it is
 reported failed (the engine recomputes) once no copy of it is running, and its
 slots are reported released only when the late reads have returned, so nothing
 reuses a slot that a read may still write.
+
+Where the copier takes checksums (``check_in_copy``: CPU, entries without a key, no
+broadcast to other ranks), the I/O process checks every field of an entry but its
+checksum, and answers the checksum; the copy to the device hashes each slot as it
+reads it, and a block whose hash differs is a miss, its entry reported damaged
+(``Load.check_copy``). The I/O process then never reads a loaded block's bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ logger = logging.getLogger("kvtier.worker")
 
 class LoadPath:
     def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, slot_bytes: int, advance,
-                 verifier=None, replicated=None):
+                 verifier=None, replicated=None, check_in_copy: bool = False):
         self.book = book
         self.advance = advance  # moves on every job whose copies have finished (the worker's)
         self.io = io  # IOProcess, or None where this worker reads no tier
@@ -38,6 +44,8 @@ class LoadPath:
         self.chunk_blocks = chunk_blocks(slot_bytes)
         self.verifier = verifier
         self.replicated = replicated
+        # Not with a broadcast: other ranks get rank 0's slots before its copy has checked them.
+        self.check_in_copy = check_in_copy and replicated is None
 
     def submit(self, job: LoadJob) -> None:
         if self.replicated is not None and not self.replicated.is_source:
@@ -65,7 +73,8 @@ class LoadPath:
             if self.io is None:
                 filled([unavailable("no I/O process")] * len(keys))
             else:
-                self.io.submit(tier, False, keys, slots, locations, load.deadline, filled)
+                self.io.submit(tier, False, keys, slots, locations, load.deadline, filled,
+                               check_in_copy=self.check_in_copy)
 
     def submit_layers(self, job: LoadJob) -> None:
         """Layer-wise load of host-resident blocks: every layer's copy is submitted now,
@@ -102,17 +111,21 @@ class LoadPath:
             usable = load.usable if not load.abandoned else load.usable[:len(load.job.ready_block_ids)]
             return {block for block, _, _ in usable}
 
-    def _filled(self, load: Load, blocks: list[int], slots: list[int], keys: list[bytes], reasons: list) -> None:
-        """The I/O process answered one chunk of reads (on its receiver thread, or the engine's step)."""
+    def _filled(self, load: Load, blocks: list[int], slots: list[int], keys: list[bytes], reasons: list,
+                sums: list | None = None) -> None:
+        """The I/O process answered one chunk of reads (on its receiver thread, or the engine's step);
+        ``sums``: the checksums its entries hold, which the copy checks (``check_in_copy``)."""
         if self.verifier is not None:
             self.verifier.received([s for s, why in zip(slots, reasons) if why is None])
-        usable_blocks, usable_slots = [], []
+        usable_blocks, usable_slots, usable_keys, expected = [], [], [], []
         with self.book.lock:
-            for block, slot, key, why in zip(blocks, slots, keys, reasons):
+            for i, (block, slot, key, why) in enumerate(zip(blocks, slots, keys, reasons)):
                 if why is None:
                     load.usable.append((block, slot, key))
                     usable_blocks.append(block)
                     usable_slots.append(slot)
+                    usable_keys.append(key)
+                    expected.append(None if sums is None else sums[i])
                     continue
                 logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
                 load.report.failed_block_ids.append(block)
@@ -130,15 +143,20 @@ class LoadPath:
         # This chunk has landed in its slots: copy it now, while later chunks are still being read.
         # On this thread, start to end where the device allows (CPU): each handoff to another thread
         # costs up to a GIL switch interval while the engine's thread is busy.
-        self._submit_copy(load, usable_blocks, usable_slots, inline=True, counted=True)
+        checks = (usable_blocks, usable_keys, expected) if any(e is not None for e in expected) else None
+        self._submit_copy(load, usable_blocks, usable_slots, inline=True, counted=True, checks=checks)
         self.advance()
 
-    def _submit_copy(self, load: Load, blocks, slots, inline: bool = False, counted: bool = False) -> None:
-        if not counted:
-            with self.book.lock:
+    def _submit_copy(self, load: Load, blocks, slots, inline: bool = False, counted: bool = False,
+                     checks: tuple | None = None) -> None:
+        """``checks``: (blocks, keys, each one's entry checksum or None), compared as the copy ends."""
+        transfer = self.book.registered_transfer(blocks, slots, False, (True, load.job.job_id), checked=bool(checks))
+        with self.book.lock:
+            if not counted:
                 load.copies_in_flight += 1
-        self.book.submit_transfer(np.asarray(blocks, np.int64), np.asarray(slots, np.int64), False,
-                                  (True, load.job.job_id), inline=inline)
+            if checks:  # before the copy starts: an inline copy's result may be taken by another thread at once
+                load.checks[transfer.job_id] = checks
+        self.book.transfers.submit(transfer, inline)
 
     def copied(self, load: Load, result: TransferResult) -> None:
         """The load's last host -> device copy is over (on whichever thread saw it finish); report."""

@@ -78,7 +78,8 @@ class TierWorker:
             self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
         self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.layout.slot_bytes,
-                              self._advance, self.verifier, self.replicated)
+                              self._advance, self.verifier, self.replicated,
+                              check_in_copy=self.transfers.takes_checksums)
         self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.layout.slot_bytes,
                                 self.is_source, self.verifier,
                                 abandon_s=config.load_timeout_s + config.remote_timeout_s)
@@ -96,7 +97,8 @@ class TierWorker:
             from kvtier.transfer.cuda import CudaCopier
             return CudaCopier(self.layout, self.tensors, self.host_buffer, warm_up=first)
         from kvtier.transfer.cpu import CpuCopier
-        # Checksums taken in the copy are plain xxh3: with an entry key the I/O process makes its keyed tags.
+        # Checksums taken in the copy are plain xxh3: with an entry key the I/O process makes and checks
+        # its keyed tags.
         return CpuCopier(self.layout, self.tensors, self.host_buffer, self.config.copy_threads, self.slots.head_bytes,
                          checksums=self.config.entry_key_file is None)
 
