@@ -43,6 +43,16 @@ def _wait_until(condition, timeout: float) -> bool:
     return True
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped. The signal stops each thread
+    as it next runs, one after another: a thread that a job's arrival wakes before the stop reaches
+    it could still run that job."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    assert _wait_until(lambda: all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+                                   for task in tasks.iterdir()), 10)
+
+
 def _entries(disk_dir: str, fingerprint: bytes, keys) -> list[bool]:
     """Which keys' entries are on disk (a place's header is written after its payload)."""
     on_disk = {key for path, _, key, _, _ in entries_in(disk_dir) if path.parent.name == fingerprint.hex()}
@@ -80,7 +90,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk
     engine.store(keys_of(range(4)), [1, 2, 3, 4])
     engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
     old = engine.worker.io.pid
-    os.kill(old, signal.SIGSTOP)  # the read below is certainly in flight when the process dies
+    _stop(old)  # the read below is certainly in flight when the process dies
     job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
     assert len(job.fill_block_ids) == 4
     engine.worker.submit_load(job)
@@ -111,7 +121,7 @@ def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_lat
     engine.store(keys_of(range(4)), [1, 2, 3, 4])
     engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
     pid = engine.worker.io.pid
-    os.kill(pid, signal.SIGSTOP)  # its reads hang
+    _stop(pid)  # its reads hang
     try:
         job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
         assert len(job.fill_block_ids) == 4
@@ -159,7 +169,7 @@ def test_a_chunked_store_whose_writes_hang_is_given_up_whole_and_its_slots_held(
     engine = Engine(tensors, disk_dir, host_blocks=8, load_timeout_s=0.5, remote_timeout_s=0.5)
     randomize(tensors)
     pid = engine.worker.io.pid
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         began = time.monotonic()
         reports = engine.store(keys_of(range(4)), [1, 2, 3, 4])
@@ -175,26 +185,30 @@ def test_a_chunked_store_whose_writes_hang_is_given_up_whole_and_its_slots_held(
 
 
 def test_the_io_process_maps_the_host_pool_without_changing_a_byte():
-    """Its mapping is made writable page by page at start (MADV_POPULATE_WRITE where the kernel
-    has it): what the worker wrote stays, and what it writes the worker sees."""
+    """Both processes map the pool at a multiple of 2 MiB, the worker's pages made huge while it is
+    new; the I/O process's mapping is made writable page by page at start (MADV_POPULATE_WRITE where
+    the kernel has it): what the worker wrote stays, and what it writes the worker sees, in the huge
+    pages and in the small ones past the last."""
+    import ctypes
     import mmap
 
-    from kvtier.io.process import _map_for_writing
+    from kvtier.io.pages import HUGE_PAGE, make_huge, map_for_writing, map_shared
 
     fd = os.memfd_create("kvtier-test-pool")
     try:
-        size = 64 * mmap.PAGESIZE
+        size = 2 * HUGE_PAGE + 3 * mmap.PAGESIZE + 100
         os.ftruncate(fd, size)
-        worker = mmap.mmap(fd, size)
+        worker = map_shared(fd, size)
+        make_huge(worker)
         pattern = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
         np.frombuffer(worker, np.uint8)[:] = pattern
-        io_side = _map_for_writing(fd, size)
+        io_side = map_for_writing(fd, size)
+        assert ctypes.addressof(worker) % HUGE_PAGE == 0 and ctypes.addressof(io_side) % HUGE_PAGE == 0
+        assert ctypes.addressof(worker) != ctypes.addressof(io_side)
         assert np.array_equal(np.frombuffer(io_side, np.uint8), pattern)
         np.frombuffer(io_side, np.uint8)[::mmap.PAGESIZE] ^= 0xFF
         pattern[::mmap.PAGESIZE] ^= 0xFF
         assert np.array_equal(np.frombuffer(worker, np.uint8), pattern)
-        io_side.close()
-        worker.close()
     finally:
         os.close(fd)
 
@@ -218,22 +232,99 @@ def _host_pool_mapping(pid: int, address: int | None = None) -> dict[str, str]:
     return fields
 
 
-def test_the_host_pool_asks_for_huge_pages_in_the_worker_and_in_its_io_process(tmp_path):
-    """Both mappings carry MADV_HUGEPAGE ("hg"); where the machine lets shared memory have huge
-    pages (``shmem_enabled`` advise and up), the pool's pages are 2 MiB in both processes."""
+def _kernel_makes_huge_pages_on_request() -> bool:
+    """MADV_COLLAPSE (Linux 6.1) on shared memory, which only shmem_enabled=deny refuses."""
+    import platform
+
+    release = tuple(int(part) for part in platform.release().split("-")[0].split(".")[:2])
+    setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    return release >= (6, 1) and setting.exists() and "[deny]" not in setting.read_text()
+
+
+def test_the_host_pool_is_on_huge_pages_in_the_worker_and_in_its_io_process(tmp_path):
+    """Both mappings carry MADV_HUGEPAGE ("hg"). Where the kernel makes huge pages on request
+    (MADV_COLLAPSE), whatever ``shmem_enabled`` says short of ``deny``, the pool's whole 2 MiB pages
+    are huge in both processes, each mapped with one entry (ShmemPmdMapped); the bytes past the
+    last whole one stay on small pages."""
     from kvtier.bench.io_path import IOPath
     from kvtier.tiers.base import TierSpec
 
     spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), options={"write": True, "entry_key_file": None})
-    path = IOPath(spec, 8, 1 << 20)
+    path = IOPath(spec, 8, 1 << 20)  # 8 MiB and 8 heads of 64 bytes
     try:
         worker, io_side = _host_pool_mapping(os.getpid(), path.slots.ctypes.data), _host_pool_mapping(path.io.pid)
         assert "hg" in worker["VmFlags"].split() and "hg" in io_side["VmFlags"].split()
-        setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-        if setting.split("[")[1].split("]")[0] in ("advise", "within_size", "always", "force"):
+        if _kernel_makes_huge_pages_on_request():
+            assert path.memory.huge_bytes == 8 << 20
             assert worker["ShmemPmdMapped"] == io_side["ShmemPmdMapped"] == "8192 kB"
+        else:
+            assert path.memory.huge_bytes in (0, 8 << 20)
     finally:
         path.close()
+
+
+_LEADER_SCRIPT = textwrap.dedent("""
+    import dataclasses, os, socket, sys, threading, time
+    import numpy as np
+    from kvtier.host_slots import HostSlots
+    from kvtier.io import process
+    from kvtier.io.messages import Job, Outcome, Ready, Setup, receive, send
+    from kvtier.tiers.base import TierSpec
+
+    received, ran = {}, {}
+    plain_receive, plain_run = process.receive, process._Server._run
+    def receive_noting(sock):
+        message = plain_receive(sock)
+        if isinstance(message, Job):
+            received[message.job_id] = threading.current_thread().name
+        return message
+    def run_noting(self, job):
+        ran[job.job_id] = threading.current_thread().name
+        plain_run(self, job)
+    process.receive, process._Server._run = receive_noting, run_noting
+
+    slots = HostSlots(4, 1 << 16, 64)
+    memory_fd, answers_fd = os.memfd_create("pool"), os.memfd_create("answers")
+    os.ftruncate(memory_fd, slots.num_bytes)
+    os.ftruncate(answers_fd, 4096)
+    spec = TierSpec("disk", "kvtier.tiers.disk", sys.argv[1], options={"write": True, "entry_key_file": None})
+    worker, io_side = socket.socketpair()
+    setup = Setup([dataclasses.asdict(spec)], b"f" * 16, slots.slot_bytes, slots.num_slots, slots.head_bytes,
+                  os.getpid(), 30, 5.0)
+    server = process._Server(io_side, memory_fd, setup, answers_fd)
+    assert isinstance(receive(worker), Ready)
+    threading.Thread(target=server.serve, daemon=True).start()
+    host, _ = slots.views(server._mapping)
+    host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
+    written = host.copy()
+    for n in range(24):
+        write = n % 2 == 0
+        key = (n // 2).to_bytes(16, "little")
+        if not write:
+            host[n // 2 % 4] = 0
+        send(worker, Job(n, "disk", write, [key], [n // 2 % 4], [n // 2], time.monotonic() + 30))
+        outcome = receive(worker)
+        assert isinstance(outcome, Outcome) and outcome.job_id == n and outcome.reasons == [None], outcome
+        assert np.array_equal(host[n // 2 % 4], written[n // 2 % 4])
+        time.sleep(0.01)
+    for n in range(24):
+        print(n, received[n], ran[n])
+""")
+
+
+def test_a_job_runs_on_the_tier_thread_that_received_it(tmp_path):
+    """One job at a time: each is received by one of its tier's threads, which runs it itself (no
+    hand-over through a queue), the other thread taking the socket meanwhile; bytes round-trip."""
+    script = tmp_path / "leader.py"
+    script.write_text(_LEADER_SCRIPT)
+    (tmp_path / "disk").mkdir()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "disk")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 24
+    assert all(receiver == runner and runner.startswith("io-disk-") for _, receiver, runner in rows), rows
+    assert len({runner for _, _, runner in rows}) == 2, rows  # the two threads take turns at the socket
 
 
 def test_an_io_process_that_keeps_dying_switches_the_tiers_off_with_one_line(disk_dir, caplog):
@@ -267,7 +358,7 @@ def test_a_shutdown_past_shutdown_flush_s_drops_and_says_so(disk_dir, caplog):
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=8, shutdown_flush_s=0.5)
     job = engine.manager.plan_store("r", keys_of(range(8)), list(range(1, 9)))
-    os.kill(engine.worker.io.pid, signal.SIGSTOP)  # a store that never answers
+    _stop(engine.worker.io.pid)  # a store that never answers
     engine.worker.submit_store(job)
     began = time.monotonic()
     with caplog.at_level(logging.WARNING):

@@ -10,12 +10,11 @@ it goes away with the last process that maps it. On CUDA it is pinned in place
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import torch
 
-from kvtier.io.pages import ask_for_huge_pages
+from kvtier.io.pages import make_huge, map_shared
 
 
 def allocate_host_buffer(num_slots: int, slot_bytes: int, pin: bool) -> torch.Tensor:
@@ -33,12 +32,12 @@ class SharedHostMemory:
         self.fd = os.memfd_create("kvtier-host-pool", os.MFD_CLOEXEC)  # inherited only where passed on purpose
         try:
             os.ftruncate(self.fd, num_bytes)
-            self._map = mmap.mmap(self.fd, num_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = map_shared(self.fd, num_bytes)
         except BaseException:
             os.close(self.fd)
             raise
-        ask_for_huge_pages(self._map)  # before the first touch, which picks each page's size
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.huge_bytes = make_huge(mapping)  # before any byte is written: it assumes zeros
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while it lives
         self.tensor.zero_()  # fault every page in now, so that no copy into the pool pays for it
         self._pinned = False
         if pin:

@@ -61,6 +61,8 @@ class TierWorker:
         # Entry headers beside the slots on CPU, apart on CUDA (``kvtier.host_slots``).
         self.slots = HostSlots(self.num_slots, self.layout.slot_bytes, 0 if self.device_is_cuda else HEADER_BYTES)
         self.memory = SharedHostMemory(self.slots.num_bytes, pin=self.device_is_cuda)
+        logger.info("kvtier: host pool of %d MiB, %d MiB of it on 2 MiB pages", self.slots.num_bytes >> 20,
+                    self.memory.huge_bytes >> 20)
         self.host_buffer = self.memory.tensor
         host_slots, _ = self.slots.views(self.host_buffer.numpy())
         self._wake = threading.Event()
