@@ -306,7 +306,7 @@ _LEADER_SCRIPT = textwrap.dedent("""
         outcome = receive(worker)
         assert isinstance(outcome, Outcome) and outcome.job_id == n and outcome.reasons == [None], outcome
         assert np.array_equal(host[n // 2 % 4], written[n // 2 % 4])
-        time.sleep(0.01)
+        time.sleep(0.05)  # the thread that answered is back, waiting for the socket
     for n in range(24):
         print(n, received[n], ran[n])
 """)

@@ -77,7 +77,9 @@ def map_shared(fd: int, num_bytes: int) -> ctypes.Array:
     if reserved + HUGE_PAGE > start:
         _libc.munmap(start + length, reserved + HUGE_PAGE - start)
     buffer = (ctypes.c_char * num_bytes).from_address(start)
-    weakref.finalize(buffer, _libc.munmap, start, length)
+    # Unmapped with the last view, as an mmap object is, and never at interpreter exit, when threads
+    # that copy into the pool may still run.
+    weakref.finalize(buffer, _libc.munmap, start, length).atexit = False
     return buffer
 
 
