@@ -362,3 +362,30 @@ def test_mooncake_entries_move_in_one_piece_beside_their_headers_and_in_two_apar
         assert np.array_equal(one[0].host[2], payload[2])
         for store, _, _ in (one, two):
             store.close()
+
+
+def test_a_store_finds_its_slots_buffers_and_addresses_by_arithmetic_exactly():
+    """The views and addresses a pool store hands its client are the slots' own, for any layout of
+    rows (heads before slots, or apart) and any batch of slot ids; ids past the end are refused."""
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtier.tiers.pool import _Rows
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 24), st.data())
+    def check(count, width, gap, data):
+        memory = np.random.default_rng(count * width + gap).integers(0, 256, (count, width + gap), dtype=np.uint8)
+        rows = memory[:, gap:]  # rows that lie apart, as slots after their heads
+        ids = data.draw(st.lists(st.integers(0, count - 1), max_size=12))
+        spans = _Rows(rows).spans(ids)
+        assert [bytes(view) for view in spans] == [rows[i].tobytes() for i in ids]
+        assert spans.addresses == [rows[i].ctypes.data for i in ids]
+        for view, i in zip(spans, ids):  # writes land in the row itself
+            view[:] = bytes(range(width))
+            assert rows[i].tobytes() == bytes(range(width))
+        with pytest.raises(IndexError):
+            _Rows(rows).spans(ids + [count])
+
+    check()

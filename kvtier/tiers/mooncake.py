@@ -27,7 +27,7 @@ from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
 from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls
+from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, Spans, make_pool_index, outside_calls
 from kvtier.units import parse_bytes
 
 
@@ -54,22 +54,24 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> Pool
     return PoolStore(spec, rank_fingerprint, slot_bytes, _connector(spec))
 
 
-def _address(view: memoryview) -> int:
+def _addresses(buffers) -> list[int]:
+    if isinstance(buffers, Spans):
+        return buffers.addresses
     import ctypes
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return [ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in buffers]
 
 
 def _runs(headers, payloads) -> tuple[list[int], list[int]] | None:
     """(addresses, sizes) of each entry as one run of memory, or None unless every header lies
     right before its block."""
-    starts = [_address(h) for h in headers]
-    if any(start + len(h) != _address(p) for start, h, p in zip(starts, headers, payloads)):
+    starts = _addresses(headers)
+    if any(start + len(h) != p for start, h, p in zip(starts, headers, _addresses(payloads))):
         return None
     return starts, [len(h) + len(p) for h, p in zip(headers, payloads)]
 
 
 def _pieces(headers, payloads) -> tuple[list[list[int]], list[list[int]]]:
-    return ([[_address(h), _address(p)] for h, p in zip(headers, payloads)],
+    return ([list(pair) for pair in zip(_addresses(headers), _addresses(payloads))],
             [[len(h), len(p)] for h, p in zip(headers, payloads)])
 
 

@@ -52,7 +52,8 @@ class PoolClient(ABC):
 
     @abstractmethod
     def put(self, names: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview]) -> list[bool]:
-        """Store header + payload under each name; True where it is stored."""
+        """Store header + payload under each name; True where it is stored. ``headers`` and
+        ``payloads`` are ``Spans`` where they lie in the host pool (a store's calls)."""
 
     @abstractmethod
     def get_into(self, names: Sequence[str], headers: Sequence[memoryview],
@@ -462,6 +463,34 @@ def _end(rows: np.ndarray) -> int:
     return rows.ctypes.data + rows.strides[0] * (len(rows) - 1) + rows.shape[1]
 
 
+class Spans(list):
+    """Buffers that lie in memory a client may have registered: the memoryviews, and each one's
+    address (``addresses``), which a client that moves bytes by address (Mooncake's) takes from here
+    rather than from each view."""
+
+    def __init__(self, views: list, addresses: list[int]):
+        super().__init__(views)
+        self.addresses = addresses
+
+
+class _Rows:
+    """The rows of a 2-D uint8 array (rows may lie apart), a batch of them at a time as ``Spans``,
+    found by arithmetic: no numpy view or ctypes object per row (a 16-block put's Python in the store
+    took 22 us here against 44 us with them, timed in a loop with a client that does nothing)."""
+
+    def __init__(self, rows: np.ndarray):
+        self.address, self.pitch, self.width, self.count = rows.ctypes.data, rows.strides[0], rows.shape[1], len(rows)
+        span = _end(rows) - self.address if len(rows) else 0
+        # One flat view from the first row's start to the last one's end; it keeps the memory alive.
+        self._flat = memoryview(np.lib.stride_tricks.as_strided(rows, shape=(span,), strides=(1,)))
+
+    def spans(self, ids: Sequence[int]) -> Spans:
+        if ids and not (0 <= min(ids) and max(ids) < self.count):  # a slice past the end would only be short
+            raise IndexError(f"slots {min(ids)}..{max(ids)} outside 0..{self.count - 1}")
+        flat, pitch, width = self._flat, self.pitch, self.width
+        return Spans([flat[i * pitch:i * pitch + width] for i in ids], [self.address + i * pitch for i in ids])
+
+
 class PoolStore(TierStore):
     """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
 
@@ -474,30 +503,26 @@ class PoolStore(TierStore):
         super().attach(host_slots, heads)
         if heads is not None:  # each entry's header right before its block: one run, one registered span
             self.client.register(heads.ctypes.data, _end(host_slots) - heads.ctypes.data)
-            return
-        # Slots without heads (CUDA's): one header row per slot, apart, registered too.
-        self.heads = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
-        self.client.register(host_slots.ctypes.data, _end(host_slots) - host_slots.ctypes.data)
-        self.client.register(self.heads.ctypes.data, self.heads.nbytes)
+        else:  # slots without heads (CUDA's): one header row per slot, apart, registered too
+            self.heads = np.zeros((len(host_slots), HEADER_BYTES), np.uint8)
+            self.client.register(host_slots.ctypes.data, _end(host_slots) - host_slots.ctypes.data)
+            self.client.register(self.heads.ctypes.data, self.heads.nbytes)
+        self._head_rows, self._slot_rows = _Rows(self.heads), _Rows(host_slots)
 
     def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
-        names = [pool_key(self.rank_fingerprint, key) for key in keys]
-        found = self.client.call("get_into", names, [memoryview(self.heads[s]) for s in slot_ids],
-                                 [memoryview(self.host[s]) for s in slot_ids])
+        heads, slots = self._head_rows.spans(slot_ids), self._slot_rows.spans(slot_ids)
+        found = self.client.call("get_into", [pool_key(self.rank_fingerprint, key) for key in keys], heads, slots)
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
-        return [check_entry(bytes(self.heads[slot]), self.host[slot], self.rank_fingerprint, key, self.slot_bytes,
-                            self.mac_key, sums, i)
+        return [check_entry(bytes(head), slot, self.rank_fingerprint, key, self.slot_bytes, self.mac_key, sums, i)
                 if hit else "missing or wrong size in the storage pool"
-                for i, (key, slot, hit) in enumerate(zip(keys, slot_ids, found))]
+                for i, (key, head, slot, hit) in enumerate(zip(keys, heads, slots, found))]
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
-        for key, slot, check in zip(keys, slot_ids, checksums or [None] * len(keys)):
-            header = encode_header(self.rank_fingerprint, key, self.host[slot], self.mac_key, check)
-            self.heads[slot] = np.frombuffer(header, np.uint8)
-        stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys],
-                                  [memoryview(self.heads[s]) for s in slot_ids],
-                                  [memoryview(self.host[s]) for s in slot_ids])
+        heads, slots = self._head_rows.spans(slot_ids), self._slot_rows.spans(slot_ids)
+        for key, head, slot, check in zip(keys, heads, slots, checksums or [None] * len(keys)):
+            head[:] = encode_header(self.rank_fingerprint, key, slot, self.mac_key, check)
+        stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys], heads, slots)
         if stored is None:
             return [unavailable("storage pool down or failing")] * len(keys)
         return [None if ok else "refused by the storage pool" for ok in stored]
