@@ -153,12 +153,13 @@ def raw_reads(url: str, payload: np.ndarray, batch: int, pauses: list[float], re
 
 def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int, tier_first: bool = True) -> dict[str, float]:
     """Seconds that a new kvtier path and a new raw client (made in that order, or the other with
-    ``tier_first`` False) took to put, then get, every block ``repeats`` times. The two take turns batch by batch, each first in every other batch, so that both meet
-    the same machine: on these 2 cores the same batch's time moves by a third from one moment to
-    the next, and whole passes of one side after the other's gave ratios from 0.7x to 1x. Before
-    them, one round that is not counted; each round's values are removed before the next, so that
-    the counted rounds write into server memory already touched, as a pool that has run a while
-    (the first touch of fresh server memory made a round's puts 2 to 3 times slower here)."""
+    ``tier_first`` False) took to put, then get, every block ``repeats`` times. The two take turns
+    batch by batch, each first in every other batch, so that both meet the same machine: on these
+    2 cores the same batch's time moves by a third from one moment to the next, and whole passes of
+    one side after the other's gave ratios from 0.7x to 1x. Before them, one round that is not
+    counted; each round's values are removed before the next, so that the counted rounds write into
+    server memory already touched, as a pool that has run a while (the first touch of fresh server
+    memory made a round's puts 2 to 3 times slower here)."""
     makers = [("tier", _TierPath), ("raw", _RawClient)]
     sides = {name: make(url, payload) for name, make in (makers if tier_first else makers[::-1])}
     totals = {f"{side}_{op}": 0.0 for side in sides for op in ("put", "get")}
@@ -183,8 +184,8 @@ def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repea
     """Each store's GB/s through kvtier and through its raw client, over ``pairs`` trials, each with a new
     kvtier path (I/O process and client) and a new raw client, made first in turn. A client keeps its
     pace for its life: two kvtier I/O processes running the same code, taking turns in one run, differed
-    by up to 0.9 ms per 16 MiB batch here (medians of 192 paired batches, either one ahead), so one
-    pair's ratio moved between 0.78x and 0.97x from run to run. ``*_vs_raw`` is over every trial's
+    by up to 0.9 ms per 16 MiB batch here (medians of 192 paired batches; in two runs, the one started
+    first was ahead), so one pair's ratio moved between 0.78x and 0.97x from run to run. ``*_vs_raw`` is over every trial's
     time; ``*_vs_raw_pairs``, each trial's own."""
     payload = _blocks(max(1, (mib << 20) // slot_bytes), slot_bytes)
     results = {"bytes": payload.nbytes, "slot_bytes": slot_bytes, "pairs": pairs}
