@@ -181,12 +181,12 @@ def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int, tier_f
 
 
 def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repeats: int = 3, pairs: int = 3) -> dict:
-    """Each store's GB/s through kvtier and through its raw client, over ``pairs`` trials, each with a new
-    kvtier path (I/O process and client) and a new raw client, made first in turn. A client keeps its
-    pace for its life: two kvtier I/O processes running the same code, taking turns in one run, differed
-    by up to 0.9 ms per 16 MiB batch here (medians of 192 paired batches; in two runs, the one started
-    first was ahead), so one pair's ratio moved between 0.78x and 0.97x from run to run. ``*_vs_raw`` is over every trial's
-    time; ``*_vs_raw_pairs``, each trial's own."""
+    """Each store's GB/s through kvtier and through its raw client, over ``pairs`` trials, each with a
+    new kvtier path (I/O process and client) and a new raw client, made first in turn. A client keeps
+    its pace for its life: two kvtier I/O processes running the same code, taking turns in one run,
+    differed by up to 0.9 ms per 16 MiB batch here (medians of 192 paired batches; in two runs, the
+    one started first was ahead), so one pair's ratio moved between 0.78x and 0.97x from run to run.
+    ``*_vs_raw`` is over every trial's time; ``*_vs_raw_pairs``, each trial's own."""
     payload = _blocks(max(1, (mib << 20) // slot_bytes), slot_bytes)
     results = {"bytes": payload.nbytes, "slot_bytes": slot_bytes, "pairs": pairs}
     for name, context in (("mooncake", lambda: local_mooncake(storage="8GB")),
