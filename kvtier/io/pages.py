@@ -7,9 +7,10 @@ Mooncake into 4 KiB-paged shared memory took 0.75 and 1.26 ms longer than the ra
 client's into a numpy array (which the kernel places on huge pages; medians of 192
 batches taking turns, two runs), and 0.00 and 0.33 ms longer once the pool was on huge
 pages (and the I/O process ran each job on the thread that received it, which saves at
-most the 0.11 to 0.15 ms of a hand-over), its round trip to the I/O process included. Shared memory gets huge pages on its first
-touch only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; under
-the kernel's default, ``never``, it does not. ``MADV_COLLAPSE`` (Linux 6.1) makes them
+most the 0.11 to 0.15 ms of a hand-over), its round trip to the I/O process included.
+Shared memory gets huge pages on its first touch only where
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; under the kernel's
+default, ``never``, it does not. ``MADV_COLLAPSE`` (Linux 6.1) makes them
 whatever that setting is (it is ignored for an explicit request, unless ``deny``): the
 worker asks for it once, while the pool is new and still all zeros. Each process maps the
 pool at an address that is a multiple of 2 MiB, as a huge page can be mapped only there;

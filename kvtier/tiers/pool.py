@@ -59,7 +59,7 @@ class PoolClient(ABC):
     def get_into(self, names: Sequence[str], headers: Sequence[memoryview],
                  payloads: Sequence[memoryview]) -> list[bool]:
         """Read each value into its header and payload buffers; False where it
-        is absent or not exactly that long."""
+        is absent or not exactly that long. The buffers are ``Spans`` as ``put``'s are."""
 
     def register(self, address: int, num_bytes: int) -> None:
         """Offer host memory for zero-copy transfers (a no-op where unsupported)."""
