@@ -139,3 +139,24 @@ def test_suspending_waits_for_copies_in_flight_and_refuses_new_ones():
     (result,) = engine.poll()
     assert result.job_id == again and result.success
     engine.close()
+
+
+def test_kvtier_takes_the_kv_caches_that_keep_every_tokens_kv_and_names_the_others():
+    """vLLM's own cache specs: full attention (with a sliding window noted: a mixed model's local layers
+    without the hybrid cache manager) and MLA are taken; caches that free blocks leaving a window, and
+    non-causal (prefix LM) attention, whose KV depends on later tokens, stop start-up naming why."""
+    import torch
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    from kvtier.integrations.vllm.namespace import _check_every_token_kept
+
+    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    for taken in (FullAttentionSpec(**shape), FullAttentionSpec(**shape, sliding_window=96),
+                  FullAttentionSpec(**shape, attention_chunk_size=64), MLAAttentionSpec(**{**shape, "num_kv_heads": 1})):
+        _check_every_token_kept(taken)
+    for refused, words in ((SlidingWindowSpec(**shape, sliding_window=96), "SlidingWindowSpec"),
+                           (ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
+                           (FullAttentionSpec(**shape, non_causal=True), "non-causal")):
+        with pytest.raises(ValueError, match=words):
+            _check_every_token_kept(refused)

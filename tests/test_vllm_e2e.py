@@ -18,8 +18,8 @@ BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16}
 
 
-def run_app(workdir, name, spec, expect_failure=False, env=None):
-    return apps.run_app(workdir, name, {"engine": ENGINE, **spec}, expect_failure, env)
+def run_app(workdir, name, spec, expect_failure=False, env=None, timeout=600):
+    return apps.run_app(workdir, name, {"engine": ENGINE, **spec}, expect_failure, env, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +227,51 @@ def test_tensor_parallel_replicated_kv_is_stored_once_and_broadcast(workdir, mod
     # Stored once, by rank 0: one directory of entries, not one per rank.
     rank_dirs = [d for d in (workdir / "tp_disk").iterdir() if d.is_dir() and d.name != "namespaces"]
     assert len(rank_dirs) == 1
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_prompts_of_every_length_finish_with_their_partial_blocks_stored(workdir, model, layout):
+    """A partial block is stored (as prefill/decode roles store it) and loaded by a prompt that is all
+    hit: vLLM recomputes its last token. A one-token prompt is all partial block; loading it would
+    leave vLLM nothing, so it looks the request up again after each load: it must be computed."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 7)]
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / f"partial-{layout}"), "store_partial_block": True}
+    result = run_app(workdir, f"partial-{layout}", {
+        "model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
+        "phases": [{"prompts": prompts}, {"prompts": prompts, "reset_prefix_cache": True}]}, timeout=300)
+    first, second = (phase["outputs"] for phase in result["phases"])
+    for i, tokens in enumerate(prompts):
+        assert first[str(i)]["cached"] == 0  # distinct prompts, nothing stored yet: each computed
+        assert second[str(i)]["tokens"] == first[str(i)]["tokens"], f"prompt of {len(tokens)} tokens"
+        # Every token came from kvtier but the last one, which vLLM recomputes (none for one token).
+        assert second[str(i)]["cached"] >= len(tokens) - 1, f"prompt of {len(tokens)} tokens"
+
+
+def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workdir):
+    """Without vLLM's hybrid cache manager (off on CPU), a model that mixes sliding-window and full-attention
+    layers keeps every token's KV in full-attention blocks: kvtier stores and loads all of them. One with
+    sliding-window layers only (vLLM frees its blocks that leave the window) stops at start-up, saying so."""
+    from kvtier.demo.model import make_model
+
+    window = 3 * BLOCK
+    mixed = str(make_model(workdir / "model_mixed", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                           layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=window))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (10 * BLOCK + 5, 5 * BLOCK)]
+    phase = {"prompts": prompts}
+    reference = run_app(workdir, "mixed-reference", {"model": mixed, "warmup": False, "phases": [phase]})
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "mixed-disk")}
+    served = run_app(workdir, "mixed", {"model": mixed, "connector": "kvtier", "extra": extra, "warmup": False,
+                                        "phases": [phase, {**phase, "reset_prefix_cache": True}]})
+    for i, tokens in enumerate(prompts):
+        assert served["phases"][1]["outputs"][str(i)]["tokens"] == reference["phases"][0]["outputs"][str(i)]["tokens"]
+        # Every full block but the one that ends at the last token, longer than the window.
+        assert served["phases"][1]["outputs"][str(i)]["cached"] >= (len(tokens) - 1) // BLOCK * BLOCK > window
+    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+    sliding = str(make_model(workdir / "model_sliding", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                             layer_types=["sliding_attention"] * 2, sliding_window=window))
+    output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "extra": extra, "phases": []},
+                     expect_failure=True)
+    assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output

@@ -8,11 +8,16 @@ from pathlib import Path
 
 def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, num_heads: int = 4,
                num_kv_heads: int = 2, vocab_size: int = 2048, max_positions: int = 8192,
-               initializer_range: float = 0.3, seed: int = 0) -> Path:
-    """Write a model directory once; an existing one with the same settings is reused."""
+               initializer_range: float = 0.3, seed: int = 0, layer_types: list[str] | None = None,
+               sliding_window: int | None = None) -> Path:
+    """Write a model directory once; an existing one with the same settings is reused. ``layer_types``
+    ("full_attention" or "sliding_attention" per layer) with ``sliding_window``: a model whose
+    sliding layers attend to that many tokens only."""
     path = Path(path)
     settings = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     vocab_size=vocab_size, max_positions=max_positions, initializer_range=initializer_range, seed=seed)
+    if layer_types is not None:
+        settings.update(layer_types=list(layer_types), sliding_window=sliding_window)
     marker = path / "kvtier_model.json"
     if marker.exists() and json.loads(marker.read_text()) == settings:
         return path
@@ -26,6 +31,8 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
         max_position_embeddings=max_positions, initializer_range=initializer_range, torch_dtype="bfloat16",
         bos_token_id=1, eos_token_id=2,
     )
+    if layer_types is not None:  # read by vLLM's Llama (and written to config.json with the rest)
+        config.layer_types, config.sliding_window = list(layer_types), sliding_window
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

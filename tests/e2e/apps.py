@@ -10,14 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, env: dict | None = None):
+def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, env: dict | None = None,
+            timeout: float = 600):
     """Run one engine process on ``spec``; its JSON result, or its output if it must fail.
     Checks that no process the run started outlives it (kvtier's I/O processes included)."""
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     marker = f"{workdir.name}/{name}"
     proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
+                          capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {}), "KVT_TEST_RUN": marker})
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # kept for a failing test's reader
     left = survivors(marker)

@@ -23,14 +23,13 @@ class EngineGeometry:
 
 
 def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> EngineGeometry:
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"kvtier supports models with one KV cache group (full attention); this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or getattr(spec, "sliding_window", None):
-        raise ValueError(f"kvtier supports full-attention KV caches, not {type(spec).__name__}")
+    _check_every_token_kept(spec)
     is_mla = isinstance(spec, MLAAttentionSpec)
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
@@ -39,6 +38,24 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
                           parallel.world_size)
+
+
+def _check_every_token_kept(spec) -> None:
+    """kvtier stores and loads every block of a prompt, each keyed by the tokens up to its end: the
+    cache must keep every token's KV, and a block's KV must depend on those tokens alone. A model
+    that mixes sliding-window (or chunked local) layers with full-attention ones passes: without
+    vLLM's hybrid cache manager (off on CPU, and with any connector that does not declare it), its
+    local layers get full-attention blocks, every token kept, and only compute within their window
+    (``FullAttentionSpec`` with its ``sliding_window`` or ``attention_chunk_size`` noted)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ValueError(f"kvtier needs a KV cache that keeps every token's KV in full-attention blocks; this "
+                         f"model's is {type(spec).__name__} (a cache of sliding-window or chunked local layers "
+                         "alone frees the blocks that leave the window)")
+    if getattr(spec, "non_causal", False):
+        raise ValueError("kvtier keys each block by the tokens before it, but this model's attention is "
+                         "non-causal (a prefix LM): a block's KV depends on the tokens after it")
 
 
 def offline_namespace(model: str, engine_args: dict, config: KVTierConfig) -> Namespace:

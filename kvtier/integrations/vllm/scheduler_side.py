@@ -150,6 +150,11 @@ class SchedulerSide:
         self._layerwise_loads.discard(request.request_id)
         if num_external <= 0:
             return 0, False
+        if hit_tokens == num_tokens and num_tokens - 1 <= num_computed_tokens:
+            # vLLM recomputes a whole-prompt hit's last token, so this load would add no token; and
+            # where none is left before it (a one-token prompt) vLLM looks the request up again
+            # after the load, and would load it again at every step, never running it.
+            return 0, False
         # A synchronous load leaves vLLM at least one token to compute; a hit of the whole prompt goes
         # the asynchronous way, where vLLM recomputes the last token itself.
         if self.config.layerwise and not self.config.save_only_first_rank and hit_tokens % self.block_size == 0 and \
