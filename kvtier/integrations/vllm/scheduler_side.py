@@ -148,12 +148,9 @@ class SchedulerSide:
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
         self._layerwise_loads.discard(request.request_id)
-        if num_external <= 0:
-            return 0, False
-        if hit_tokens == num_tokens and num_tokens - 1 <= num_computed_tokens:
-            # vLLM recomputes a whole-prompt hit's last token, so this load would add no token; and
-            # where none is left before it (a one-token prompt) vLLM looks the request up again
-            # after the load, and would load it again at every step, never running it.
+        # vLLM recomputes a whole-prompt hit's last token: a hit of that token alone would add none,
+        # and of a one-token prompt vLLM would look the request up again after each load, for ever.
+        if num_external <= 0 or (hit_tokens == num_tokens and num_external == 1):
             return 0, False
         # A synchronous load leaves vLLM at least one token to compute; a hit of the whole prompt goes
         # the asynchronous way, where vLLM recomputes the last token itself.
