@@ -275,3 +275,38 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
     output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "extra": extra, "phases": []},
                      expect_failure=True)
     assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output
+
+
+# Questions that repeat a few words, answered at length: n-gram drafts (vLLM's speculative decoding that
+# needs no draft model) are proposed at many steps, across block boundaries.
+_QUESTIONS = [[(7 * i) % 23 + 3 for i in range(n)] for n in (100, 2 * BLOCK + 1, 9 * BLOCK - 3)]
+TURNS = {"engine": {**ENGINE, "speculative": {"method": "ngram", "num_speculative_tokens": 4,
+                                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+         "warmup": False,
+         "phases": [{"prompts": _QUESTIONS, "max_tokens": 150},
+                    {"follow_up": {"phase": 0, "append": [7, 8, 9]}, "reset_prefix_cache": True}]}
+
+
+@pytest.fixture(scope="module")
+def reference_turns(workdir, model):
+    return run_app(workdir, "turns-reference", {"model": model, **TURNS}, timeout=300)
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_a_conversations_next_turn_loads_the_answer_written_with_speculative_decoding(workdir, model, reference_turns,
+                                                                                        layout):
+    """Blocks filled while decoding are stored too, so a conversation's next turn loads the answer as well as
+    the question. With n-gram speculative decoding vLLM schedules draft tokens past the request's own; a
+    block that they would complete is stored only once the tokens it holds are the request's."""
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / f"turns-{layout}")}
+    served = run_app(workdir, f"turns-{layout}", {"model": model, "connector": "kvtier", "extra": extra,
+                                                  "layout": layout, **TURNS}, timeout=300)
+    for i, prompt in enumerate(TURNS["phases"][0]["prompts"]):
+        answer = served["phases"][0]["outputs"][str(i)]["tokens"]
+        assert answer == reference_turns["phases"][0]["outputs"][str(i)]["tokens"]
+        second = served["phases"][1]["outputs"][str(i)]
+        assert second["tokens"] == reference_turns["phases"][1]["outputs"][str(i)]["tokens"]
+        # Every block whose tokens' KV was computed: the question's and the answer's but its last token.
+        assert second["cached"] == (len(prompt) + len(answer) - 1) // BLOCK * BLOCK, f"turn {i}"
+    if layout == "in_process":  # kvtier's state is readable there
+        assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0

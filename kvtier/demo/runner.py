@@ -9,7 +9,9 @@ A spec: ``{"model", "connector": "kvtier"|"example"|null, "extra": {...},
 "sequential"|"concurrent", "prompts": [[token ids]], "max_tokens", "wait_for",
 ...}]}``. Sequential phases time each request's first token; concurrent phases
 submit all requests at once and may abort some at random. A phase with
-``wait_for`` starts once that file exists; after phase i, ``OUT.json.phase<i>.done``
+``wait_for`` starts once that file exists; a phase with ``"follow_up": {"phase": i,
+"append": [token ids]}`` takes as its prompts phase i's, each followed by its completion
+and ``append`` (a conversation's next turn); after phase i, ``OUT.json.phase<i>.done``
 is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
 (vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
 layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
@@ -148,6 +150,11 @@ def main(spec_path: str, out_path: str) -> None:
         if phase.get("wait_for"):  # another process (a test) prepares something between phases
             _wait_for_file(phase["wait_for"])
         params = _sampling(SamplingParams, phase.get("max_tokens", 6))
+        if phase.get("follow_up"):
+            earlier = phase["follow_up"]["phase"]
+            completions = result["phases"][earlier]["outputs"]
+            phase["prompts"] = [prompt + completions[str(i)]["tokens"] + phase["follow_up"]["append"]
+                                for i, prompt in enumerate(spec["phases"][earlier]["prompts"])]
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # so that hits come from the connector, not vLLM's own cache
         inspect = spec.get("connector") == "kvtier" and in_process

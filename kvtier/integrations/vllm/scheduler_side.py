@@ -232,7 +232,9 @@ class SchedulerSide:
     def _plan_stores(self, state: _RequestState, num_computed_after: int) -> list:
         """Stores of the blocks that this step completes (and the prompt's partial block)."""
         request = state.request
-        num_full = min(num_computed_after // self.block_size, len(state.block_ids))
+        # Speculative decoding schedules draft tokens past the request's own: their KV may be
+        # rejected, and a block is whole only once its tokens are the request's.
+        num_full = min(min(num_computed_after, request.num_tokens) // self.block_size, len(state.block_ids))
         jobs = []
         if num_full > state.num_stored_blocks:
             keys = self._full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
