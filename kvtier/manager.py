@@ -20,6 +20,7 @@ from typing import Sequence
 
 from kvtier.config import KVTierConfig
 from kvtier.ledger import Ledger
+from kvtier.load_waves import LoadWaves
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.base import TierIndex
 from kvtier.tiers.host import HostPoolIndex
@@ -89,6 +90,7 @@ class TierManager:
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
         # Misses by reason, and what each index gained and lost (for KV events and miss reasons).
         self.ledger = Ledger([self.host, *self.tiers], config.block_size or 0, track_holdings)
+        self.waves = LoadWaves(self, config.load_timeout_s)  # loads larger than the free host slots
 
     def miss_reason(self, key: bytes, token: str | None = None) -> str:
         """Why ``key`` (the first block a lookup did not find) is not loadable: the tier that
@@ -168,13 +170,18 @@ class TierManager:
         lookups were promised. Hits stop where that runs out.
         """
         hits = taken = 0
-        budget = self.host.num_available - sum(self._promised.values())
+        budget = self.free_slots()
         for key in keys:
             source = self._source(key, found)
             if source is None:
                 break
             need = self.host.is_evictable(key) if source == HOST else 1
             if taken + need > budget:
+                # The rest goes in later waves, through the slots each wave frees (``plan_load``), once
+                # the first wave has a slot: a prompt larger than the host pool still loads whole.
+                if taken > 0 or need == 0:
+                    hits += 1 + sum(1 for _ in itertools.takewhile(lambda k: self._source(k, found) is not None,
+                                                                   keys[hits + 1:]))
                 break
             hits, taken = hits + 1, taken + need
         return hits, taken
@@ -191,7 +198,7 @@ class TierManager:
 
     # --- loads --------------------------------------------------------------
     def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
-                  layerwise: bool = False) -> LoadJob:
+                  layerwise: bool = False, found: list[dict[bytes, bool]] | None = None) -> LoadJob:
         """Plan loading ``keys[i]`` into device block ``block_ids[i]``.
 
         Each block is resolved again here (it may have been evicted since the
@@ -199,10 +206,15 @@ class TierManager:
         tier a pin); from the first block found nowhere on, blocks are reported
         missing, since the engine recomputes from the first failed block. A
         ``layerwise`` load reads host slots only: anything else is missing.
+        Where the host pool has no slot left to stage through, the job is a wave
+        (``final`` False) of its first blocks, and ``waves`` (``kvtier.load_waves``)
+        plans the rest once this wave has freed its slots.
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"plan_load for {req_id}: {len(keys)} keys but {len(block_ids)} blocks")
-        remembered = self._found.pop(req_id, None) or [{} for _ in self.tiers]
+        # A tier that asks others: what the request's lookup found (or its last wave's plan); the
+        # others are asked again now (an entry may have been evicted since).
+        remembered = found or self._found.pop(req_id, None) or [{} for _ in self.tiers]
         found = [remembered[i] if tier.asks_the_tier else dict(zip(keys, tier.lookup(keys, None)))
                  for i, tier in enumerate(self.tiers)]
         self._promised.pop(req_id, None)  # the slots are taken now, or not at all
@@ -211,46 +223,70 @@ class TierManager:
             if tier.asks_the_tier:
                 tier.forget(req_id)
         sources: list[str] = []  # the loadable prefix: where each block is read from
+        end = taken = 0  # this wave: as many blocks as the free slots allow (a pin takes one, a stage one)
         for key in keys:
             source = self._source(key, found)
             if source is None or (layerwise and source != HOST):
                 break
             sources.append(source)
+            need = self.host.is_evictable(key) if source == HOST else 1
+            if end == len(sources) - 1 and taken + need <= self.host.num_available:
+                end, taken = end + 1, taken + need
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
-        host_at = [i for i, source in enumerate(sources) if source == HOST]
+        host_at = [i for i in range(end) if sources[i] == HOST]
         slot_at = dict(zip(host_at, self.host.prepare_load([keys[i] for i in host_at])))
-        end = len(sources)
-        for i, source in enumerate(sources):
-            if source == HOST:
+        for i in range(end):
+            if sources[i] == HOST:
                 continue
             plan = self.host.prepare_store((keys[i],))
-            if plan is None:  # no room left to stage through: the prefix ends here
+            if plan is None:  # the room was counted above; should it run out all the same, the wave ends here
                 end = i
                 break
             slot_at[i] = plan.slot_ids[0]
-            self.tier(source).prepare_load((keys[i],))
-        self.host.complete_load([slot_at[i] for i in host_at if i >= end])  # past the prefix: not loaded
+            self.tier(sources[i]).prepare_load((keys[i],))
+        self.host.complete_load([slot_at[i] for i in host_at if i >= end])  # past the wave: not loaded
         ready = [i for i in range(end) if sources[i] == HOST]
         fills = [i for i in range(end) if sources[i] != HOST]
+        # A wave stops for room, or at a block another request is writing to the host pool (its
+        # next wave reads it once written); at a block found nowhere, the rest is missing.
+        writing = len(sources) < len(keys) and self.host.is_being_written(keys[len(sources)])
+        wave = 0 < end and (end < len(sources) or writing) and not layerwise
         job = LoadJob(next(self._job_ids), req_id,
                       [block_ids[i] for i in ready], [slot_at[i] for i in ready], [keys[i] for i in ready],
                       [block_ids[i] for i in fills], [slot_at[i] for i in fills], [keys[i] for i in fills],
-                      [sources[i] for i in fills], list(block_ids[end:]), layerwise,
-                      [self.tier(sources[i]).location(keys[i]) for i in fills])
+                      [sources[i] for i in fills], [] if wave else list(block_ids[end:]), layerwise,
+                      [self.tier(sources[i]).location(keys[i]) for i in fills], final=not wave)
         self.stats.hit_blocks.update(sources[:end])
+        self._pending[job.job_id] = _Pending(job)
+        if wave:
+            self.waves.keep(job, list(keys[end:]), list(block_ids[end:]), found)
+        return job
+
+    def free_slots(self) -> int:
+        """Host slots a plan could take now (free or evictable), less those lookups were promised."""
+        return self.host.num_available - sum(self._promised.values())
+
+    def plan_missing(self, req_id: str, block_ids: Sequence[int], reason: str) -> LoadJob:
+        """A load job that only reports ``block_ids`` missing (counted under ``reason``)."""
+        if block_ids:
+            self.ledger.count_failed_load(req_id, reason, len(block_ids))
+        job = LoadJob(next(self._job_ids), req_id, [], [], [], [], [], [], [], list(block_ids))
         self._pending[job.job_id] = _Pending(job)
         return job
 
     # --- stores -------------------------------------------------------------
-    def plan_store(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreJob | None:
+    def plan_store(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
+                   count_skipped: bool = True) -> StoreJob | None:
         """Plan storing device blocks under ``keys``, written through to every tier in ``store_to``.
 
         Keys already held are skipped; if the host pool cannot take them all, the
-        first ones that fit are stored. Returns None if nothing is to be stored.
+        first ones that fit are stored (``num_held_prefix`` says how far that got;
+        a caller that tries the rest again later counts what it skips itself).
+        Returns None if nothing is to be stored.
         """
         wanted = {key: block_id for key, block_id in zip(keys, block_ids) if not self.host.contains(key)}
         fitting = list(wanted)[:self.host.num_available]  # a prefix is what later lookups can use
-        self.stats.skipped_store_blocks += len(wanted) - len(fitting)
+        self.stats.skipped_store_blocks += (len(wanted) - len(fitting)) * count_skipped
         plan = self.host.prepare_store(fitting) if fitting else None
         if plan is None:
             return None
@@ -261,6 +297,10 @@ class TierManager:
                        {tier.name: [tier.location(k) for k in keys] for tier, keys in writes.items()})
         self._pending[job.job_id] = _Pending(job)
         return job
+
+    def num_held_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` the host pool holds or is being written (stored, or planned)."""
+        return sum(1 for _ in itertools.takewhile(self.host.contains, keys))
 
     # --- completion ---------------------------------------------------------
     def on_reports(self, reports: Sequence[JobReport]) -> list[int]:
@@ -276,6 +316,7 @@ class TierManager:
                 del self._pending[report.job_id]
                 self._complete(pending)
                 completed.append(report.job_id)
+        self.waves.on_completed(completed)
         self.ledger.absorb()  # every step with reports: the indexes' log never grows past a step's worth
         return completed
 
@@ -343,6 +384,7 @@ class TierManager:
             abandoned = any(r.held_slot_ids for r in reports)
             reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
             self.ledger.count_failed_load(job.req_id, reason, failed_reads)
+            self.waves.failed(job.req_id, reason)  # the engine recomputes from here: later waves are not read
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)
         held: Counter = Counter(slot for r in reports for slot in r.held_slot_ids)

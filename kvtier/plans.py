@@ -29,6 +29,8 @@ class LoadJob:
     missing_block_ids: list[int] = field(default_factory=list)
     layerwise: bool = False  # host slots only, each layer copied and awaited on its own
     fill_locations: list[int] = field(default_factory=list)  # where the tier keeps each fill (-1: its store finds it)
+    # False: a wave of a load larger than the host pool's free slots; the request's load ends with a later job
+    final: bool = True
 
     def __post_init__(self):
         if not (len(self.ready_block_ids) == len(self.ready_slot_ids) == len(self.ready_keys)

@@ -40,24 +40,72 @@ def complete(mgr: TierManager, job, success: bool = True) -> None:
     mgr.on_reports([JobReport(job.job_id, isinstance(job, LoadJob), success, failed_block_ids=failed)])
 
 
-def test_staging_a_disk_hit_never_evicts_a_later_host_hit_of_the_same_prompt(tmp_path):
+def test_staging_a_disk_hit_never_evicts_a_host_hit_of_the_same_wave(tmp_path):
     mgr = manager(str(tmp_path), host_slots=3, disk_entries=10)
     a, b, c = chain(0, 3)
     complete(mgr, mgr.plan_store("s", [a, b, c], [0, 1, 2]))  # host and disk: a, b, c
     complete(mgr, mgr.plan_store("s", chain(1, 1), [3]))  # evicts a (oldest): a is on disk only
     pinned = mgr.plan_load("other", chain(1, 1), [4])  # a load in flight pins the third slot
-    # Staging a takes one of the two evictable slots, which hold b and c: a and b fit, c
-    # does not. Counting all three would evict b for a and cost two recomputes.
-    assert mgr.lookup([a, b, c], token="r") == 2
-    job = mgr.plan_load("r", [a, b], [10, 11])
-    assert not job.missing_block_ids and job.fill_keys == [a] and job.ready_keys == [b]
+    # Two slots can be freed (they hold b and c): staging a takes one, pinning b the other. The
+    # first wave is a and b, b pinned before a is staged, so that staging evicts c, not b; c
+    # follows in the next wave, from the disk.
+    assert mgr.lookup([a, b, c], token="r") == 3
+    job = mgr.plan_load("r", [a, b, c], [10, 11, 12])
+    assert not job.final and not job.missing_block_ids and job.fill_keys == [a] and job.ready_keys == [b]
+    assert mgr.waves.plan_next("r") is None  # every slot is pinned until the wave and the other load end
     complete(mgr, job)
     complete(mgr, pinned)
-    assert mgr.lookup([a, b, c], token="r") == 3  # a, b in host; c (evicted to stage a) stages again
-    job = mgr.plan_load("r", [a, b, c], [10, 11, 12])
-    assert not job.missing_block_ids and job.ready_keys == [a, b] and job.fill_keys == [c]
+    job = mgr.waves.plan_next("r")
+    assert job.final and not job.missing_block_ids and job.fill_keys == [c] and job.fill_block_ids == [12]
     complete(mgr, job)
     assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0
+    assert mgr.lookup([a, b, c], token="r") == 3
+    job = mgr.plan_load("r", [a, b, c], [10, 11, 12])  # two in the host pool, one staged: one wave
+    assert job.final and not job.missing_block_ids and len(job.ready_keys) == 2 and len(job.fill_keys) == 1
+    complete(mgr, job)
+    assert mgr.host.num_pins == 0
+
+
+def test_a_wave_whose_blocks_left_the_disk_since_the_lookup_reports_them_missing(tmp_path):
+    mgr = manager(str(tmp_path), host_slots=1, disk_entries=3)
+    keys = chain(0, 3)
+    for i, key in enumerate(keys):
+        complete(mgr, mgr.plan_store("s", [key], [i]))  # the host pool keeps the last; the disk all three
+    assert mgr.lookup(keys, token="r") == 3  # one slot: three waves
+    job = mgr.plan_load("r", keys, [10, 11, 12])
+    assert not job.final and job.ready_keys + job.fill_keys == [keys[0]] and not job.missing_block_ids
+    complete(mgr, job)
+    for i, key in enumerate(chain(1, 3)):  # three other blocks evict every entry of the first from the disk
+        complete(mgr, mgr.plan_store("s", [key], [20 + i]))
+    job = mgr.waves.plan_next("r")
+    assert job.final and job.missing_block_ids == [11, 12] and not job.fill_keys and not job.ready_keys
+    complete(mgr, job)
+    assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
+
+
+def test_a_wave_waits_for_a_block_another_requests_wave_is_writing(tmp_path):
+    """Two requests of one prefix, each larger than the host pool: neither recomputes what the other stages."""
+    mgr = manager(str(tmp_path), host_slots=2, disk_entries=10)
+    keys = chain(0, 3)
+    for i, key in enumerate(keys + chain(1, 2)):  # all on disk; the host pool holds the last two, others
+        complete(mgr, mgr.plan_store("s", [key], [i]))
+    assert mgr.lookup(keys, token="a") == 3
+    first_a = mgr.plan_load("a", keys, [10, 11, 12])
+    assert not first_a.final and first_a.fill_keys == keys[:2]
+    complete(mgr, first_a)
+    assert mgr.lookup(keys, token="b") == 3
+    first_b = mgr.plan_load("b", keys, [20, 21, 22])
+    assert not first_b.final and first_b.ready_keys == keys[:2]
+    assert mgr.waves.plan_next("a") is None  # both slots pinned by b's first wave
+    complete(mgr, first_b)
+    last_a = mgr.waves.plan_next("a")
+    assert last_a.final and last_a.fill_keys == keys[2:]  # staged: being written to the host pool
+    assert mgr.waves.plan_next("b") is None  # waits for a's write rather than count it missing
+    complete(mgr, last_a)
+    last_b = mgr.waves.plan_next("b")
+    assert last_b.final and last_b.ready_keys == keys[2:] and not last_b.missing_block_ids
+    complete(mgr, last_b)
+    assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
 
 
 def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):
@@ -96,6 +144,8 @@ class PromiseMachine(RuleBasedStateMachine):
         self.mgr = manager(self.dir, host_slots=5, disk_entries=12)
         self.in_flight: list = []
         self.blocks = iter(range(10**9))
+        self.requests = iter(range(10**9))
+        self.due: list[str] = []  # requests whose last wave completed: their next is planned by next_waves
 
     def _ids(self, n):
         return [next(self.blocks) for _ in range(n)]
@@ -110,14 +160,26 @@ class PromiseMachine(RuleBasedStateMachine):
     @rule(docs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=3))
     def schedule(self, docs):
         """One scheduler step: each request is looked up, then planned, before the next one."""
-        for i, (doc, length) in enumerate(docs):
-            keys = chain(doc, length)
-            hits = self.mgr.lookup(keys, token=f"r{i}")
+        for doc, length in docs:
+            keys, token = chain(doc, length), f"r{next(self.requests)}"
+            hits = self.mgr.lookup(keys, token=token)
             if hits is None:  # waits for a block being written: asks again in a later step
+                self.mgr.forget(token)
                 continue
-            job = self.mgr.plan_load(f"r{i}", keys[:hits], self._ids(hits))
+            job = self.mgr.plan_load(token, keys[:hits], self._ids(hits))
+            # More hits than free slots load in waves; the first one misses nothing the lookup counted.
             assert not job.missing_block_ids, f"counted {hits} blocks, planned {hits - len(job.missing_block_ids)}"
             self.in_flight.append(job)
+
+    @precondition(lambda self: self.due)
+    @rule(give_up=st.booleans())
+    def next_waves(self, give_up):
+        for token in list(self.due):
+            job = self.mgr.waves.plan_next(token, "no_free_host_slot" if give_up else None)
+            if job is not None:
+                self.due.remove(token)
+                self.in_flight.append(job)
+                assert not give_up or (job.final and not job.fill_block_ids and not job.ready_block_ids)
 
     @rule(doc=st.integers(0, 3), length=st.integers(1, 6))
     def lookup_of_a_request_that_is_not_allocated(self, doc, length):
@@ -131,15 +193,21 @@ class PromiseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.in_flight)
     @rule(index=st.integers(0, 100), success=st.booleans())
     def complete_one(self, index, success):
-        complete(self.mgr, self.in_flight.pop(index % len(self.in_flight)), success)
+        job = self.in_flight.pop(index % len(self.in_flight))
+        complete(self.mgr, job, success)
+        if isinstance(job, LoadJob) and not job.final:
+            self.due.append(job.req_id)
 
     @invariant()
     def host_pool_within_capacity(self):
         assert self.mgr.host.num_used <= self.mgr.host.num_slots
 
     def teardown(self):
-        for job in self.in_flight:
-            complete(self.mgr, job)
+        while self.in_flight or self.due:
+            for token in self.due:
+                self.in_flight.append(self.mgr.waves.plan_next(token, "gone"))
+            self.due = []
+            self.complete_one(0, True)
         assert self.mgr.host.num_pins == 0 and self.mgr.tier('disk').num_pins == 0 and self.mgr.num_pending == 0
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -85,6 +85,7 @@ def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(fir
     state = first_process["kvtier"]
     assert state["host_pins"] == 0 and state["tier_pins"] == 0
     assert state["pending_jobs"] == 0 and state["worker_jobs_in_flight"] == 0 and state["transfers_in_flight"] == 0
+    assert state["pending_waves"] == 0
     assert state["open_send_waits"] == 0 and state["tracked_requests"] == 0
     assert state["host_used"] <= state["host_slots"]
 
@@ -310,3 +311,28 @@ def test_a_conversations_next_turn_loads_the_answer_written_with_speculative_dec
         assert second["cached"] == (len(prompt) + len(answer) - 1) // BLOCK * BLOCK, f"turn {i}"
     if layout == "in_process":  # kvtier's state is readable there
         assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_prompts_larger_than_the_host_pool_are_stored_and_loaded_whole(workdir, model, layout):
+    """A host pool of 16 blocks and prompts of 62 and 40 blocks: stores past its free slots are tried again
+    in later steps as its writes end, and a new process loads each prompt in waves through it, every full
+    block from the disk tier, with outputs equal to the first process's, which computed everything."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (62 * BLOCK + 9, 40 * BLOCK)]
+    slot_bytes = 4 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
+    extra = {"host_bytes": 16 * (slot_bytes + 64), "disk_dir": str(workdir / f"waves-{layout}")}
+    spec = {"model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
+            "phases": [{"prompts": prompts, "max_tokens": 8}]}
+    first = run_app(workdir, f"waves-first-{layout}", spec, timeout=300)
+    second = run_app(workdir, f"waves-second-{layout}", spec, timeout=300)
+    for i, tokens in enumerate(prompts):
+        assert first["phases"][0]["outputs"][str(i)]["cached"] == 0
+        out = second["phases"][0]["outputs"][str(i)]
+        assert out["tokens"] == first["phases"][0]["outputs"][str(i)]["tokens"]
+        assert out["cached"] == len(tokens) // BLOCK * BLOCK, f"prompt of {len(tokens)} tokens"
+    if layout == "in_process":
+        state = second["kvtier"]
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == sum(len(t) // BLOCK * BLOCK for t in prompts)
+        assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["pending_jobs"] == 0
+        assert state["pending_waves"] == 0

@@ -23,7 +23,7 @@ COUNTERS = {
     "store_seconds": "Seconds spent storing (slowest rank per job)",
     "failed_load_blocks": "Blocks that failed to load and were recomputed",
     "bad_entries": "Stored entries found corrupt, truncated, foreign or missing",
-    "skipped_store_blocks": "Blocks not stored for lack of free host slots",
+    "skipped_store_blocks": "Blocks a finished request left unstored for lack of free host slots",
     "failed_store_blocks": "Blocks whose store failed (the copy failed, or the engine reused them first)",
     "abandoned_loads": "Loads whose reads did not end within load_timeout_s (recomputed)",
     "abandoned_stores": "Stores whose tier writes went unanswered and were given up",

@@ -52,6 +52,7 @@ class SchedulerSide:
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
         self._new_loads = []
+        self._wave_tokens: dict[str, dict[int, int]] = {}  # request -> its waves' tokens per device block
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
@@ -193,6 +194,11 @@ class SchedulerSide:
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
         tokens_of = {block_id: min((first_block + i + 1) * self.block_size, hit_tokens)
                      - max((first_block + i) * self.block_size, first_token) for i, block_id in enumerate(block_ids)}
+        self._count_hits(job, tokens_of)
+        if not job.final:  # a load larger than the free host slots: its next waves follow (manager.waves)
+            self._wave_tokens[request.request_id] = tokens_of
+
+    def _count_hits(self, job, tokens_of: dict[int, int]) -> None:
         self.hit_tokens["host"] += sum(tokens_of[b] for b in job.ready_block_ids)
         for block_id, source in zip(job.fill_block_ids, job.fill_from):
             self.hit_tokens[source] += tokens_of[block_id]
@@ -218,6 +224,10 @@ class SchedulerSide:
                 self._preempted_store_job_ids += state.store_job_ids
                 state.store_job_ids = set()
                 state.block_ids = []
+        for job in self.manager.waves.due_jobs() if self.manager is not None else ():
+            self._new_loads.append(job)
+            tokens_of = self._wave_tokens.pop(job.req_id) if job.final else self._wave_tokens[job.req_id]
+            self._count_hits(job, tokens_of)
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -238,8 +248,11 @@ class SchedulerSide:
         jobs = []
         if num_full > state.num_stored_blocks:
             keys = self._full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
-            job = self.manager.plan_store(request.request_id, keys, state.block_ids[state.num_stored_blocks:num_full])
-            state.num_stored_blocks = num_full  # not retried: a block that did not fit is a later miss
+            job = self.manager.plan_store(request.request_id, keys, state.block_ids[state.num_stored_blocks:num_full],
+                                          count_skipped=False)
+            # Blocks past the host pool's free slots are tried again next step, while the request still
+            # holds them (its slots free as its writes end): a prompt larger than the host pool is stored whole.
+            state.num_stored_blocks += self.manager.num_held_prefix(keys)
             jobs.append(job)
         num_prompt = request.num_prompt_tokens
         if (self.partial_blocks and not state.partial_planned and num_computed_after >= num_prompt
@@ -271,6 +284,10 @@ class SchedulerSide:
             self.manager.close()
 
     @property
+    def num_pending_waves(self) -> int:
+        return self.manager.waves.num_under_way if self.manager is not None else 0
+
+    @property
     def num_tracked_requests(self) -> int:
         return len(self._requests)
 
@@ -288,8 +305,13 @@ class SchedulerSide:
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        if state is not None and self.manager is not None and self.stores_enabled and not self._unsupported(request):
+            computed = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            self.manager.stats.skipped_store_blocks += max(0, min(computed, len(state.block_ids))
+                                                           - state.num_stored_blocks)
         if self.manager is not None:
             self.manager.forget(request.request_id)
+            self.manager.waves.drop(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
         pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]

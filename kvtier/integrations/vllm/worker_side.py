@@ -33,6 +33,7 @@ class WorkerSide:
         self._step_layer_loads: list[int] = []  # this step's layer-wise loads
         self._step_layer_blocks: set[int] = set()  # their device blocks
         self._layerwise_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
+        self._waves: set[int] = set()  # loads that a later job of their request ends (``LoadJob.final``)
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
@@ -100,6 +101,8 @@ class WorkerSide:
         self._step_layer_loads, self._step_layer_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
+            if not job.final:
+                self._waves.add(job.job_id)
             if job.layerwise and self.tier_worker.num_layers == len(self._layer_index):
                 # Every layer's copy starts now, in layer order; each layer's attention waits for its own.
                 self.tier_worker.submit_load_layers(job)
@@ -169,6 +172,8 @@ class WorkerSide:
                 req_id = self._load_owner.pop(report.job_id)
                 if report.job_id in self._layerwise_load_ids:
                     self._layerwise_load_ids.discard(report.job_id)  # synchronous: done within its step
+                elif report.job_id in self._waves:
+                    self._waves.discard(report.job_id)  # a wave: the request's load ends with a later job
                 else:
                     finished_recving.add(req_id)
                 self._load_error_block_ids.update(report.failed_block_ids)
