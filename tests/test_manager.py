@@ -150,14 +150,15 @@ class PromiseMachine(RuleBasedStateMachine):
     def _ids(self, n):
         return [next(self.blocks) for _ in range(n)]
 
-    @rule(doc=st.integers(0, 3), length=st.integers(1, 5))
+    @rule(doc=st.integers(0, 3), length=st.integers(1, 9))
     def store(self, doc, length):
+        """Blocks the host pool holds already are skipped: stores again extend a prompt on disk."""
         keys = chain(doc, length)
         job = self.mgr.plan_store("s", keys, self._ids(length))
         if job is not None:
             self.in_flight.append(job)
 
-    @rule(docs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=3))
+    @rule(docs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 9)), min_size=1, max_size=3))
     def schedule(self, docs):
         """One scheduler step: each request is looked up, then planned, before the next one."""
         for doc, length in docs:
@@ -195,8 +196,9 @@ class PromiseMachine(RuleBasedStateMachine):
     def complete_one(self, index, success):
         job = self.in_flight.pop(index % len(self.in_flight))
         complete(self.mgr, job, success)
-        if isinstance(job, LoadJob) and not job.final:
-            self.due.append(job.req_id)
+        if isinstance(job, LoadJob) and not job.final:  # the next wave, at once if the host pool has room
+            next_wave = self.mgr.waves.plan_next(job.req_id)
+            (self.due.append(job.req_id) if next_wave is None else self.in_flight.append(next_wave))
 
     @invariant()
     def host_pool_within_capacity(self):
