@@ -223,14 +223,17 @@ class TierManager:
             if tier.asks_the_tier:
                 tier.forget(req_id)
         sources: list[str] = []  # the loadable prefix: where each block is read from
-        end = taken = 0  # this wave: as many blocks as the free slots allow (a pin takes one, a stage one)
+        # This wave: as many blocks as the free slots allow (a pin takes one, a stage one), less the slots
+        # other lookups were promised (their requests plan after this one, in the same step).
+        end = taken = 0
+        room = self.free_slots()
         for key in keys:
             source = self._source(key, found)
             if source is None or (layerwise and source != HOST):
                 break
             sources.append(source)
             need = self.host.is_evictable(key) if source == HOST else 1
-            if end == len(sources) - 1 and taken + need <= self.host.num_available:
+            if end == len(sources) - 1 and taken + need <= room:
                 end, taken = end + 1, taken + need
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
         host_at = [i for i in range(end) if sources[i] == HOST]

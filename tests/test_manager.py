@@ -108,6 +108,26 @@ def test_a_wave_waits_for_a_block_another_requests_wave_is_writing(tmp_path):
     assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
 
 
+def test_a_first_wave_leaves_the_slots_another_lookup_was_promised(tmp_path):
+    mgr = manager(str(tmp_path), host_slots=4, disk_entries=20)
+    a, b = chain(0, 6), chain(1, 2)
+    for i, key in enumerate(a + b + chain(2, 4)):  # all on disk; the host pool holds only chain 2
+        complete(mgr, mgr.plan_store("s", [key], [i]))
+    assert mgr.lookup(b, token="b") == 2  # promised two of the four slots
+    assert mgr.lookup(a, token="a") == 6  # the other two now, the rest in later waves
+    first = mgr.plan_load("a", a, list(range(10, 16)))
+    assert not first.final and first.fill_keys == a[:2]
+    job = mgr.plan_load("b", b, [20, 21])
+    assert job.final and job.fill_keys == b and not job.missing_block_ids
+    complete(mgr, job)
+    complete(mgr, first)
+    while not first.final:
+        first = mgr.waves.plan_next("a")
+        assert not first.missing_block_ids
+        complete(mgr, first)
+    assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
+
+
 def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):
     mgr = manager(str(tmp_path), host_slots=8, disk_entries=10)
     keys = chain(0, 4)
