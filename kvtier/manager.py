@@ -178,8 +178,8 @@ class TierManager:
             need = self.host.is_evictable(key) if source == HOST else 1
             if taken + need > budget:
                 # The rest goes in later waves, through the slots each wave frees (``plan_load``), once
-                # the first wave has a slot: a prompt larger than the host pool still loads whole.
-                if taken > 0 or need == 0:
+                # the first wave has a block: a prompt larger than the host pool still loads whole.
+                if hits > 0:
                     hits += 1 + sum(1 for _ in itertools.takewhile(lambda k: self._source(k, found) is not None,
                                                                    keys[hits + 1:]))
                 break

@@ -128,6 +128,27 @@ def test_a_first_wave_leaves_the_slots_another_lookup_was_promised(tmp_path):
     assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
 
 
+def test_no_wave_is_counted_when_promises_exceed_the_free_slots(tmp_path):
+    """A store takes a slot that a waiting request's lookup was promised: no slot is free for a first wave,
+    not even for a block pinned already (it needs none), so nothing is counted that no plan could load."""
+    mgr = manager(str(tmp_path), host_slots=3, disk_entries=20)
+    pinned, on_disk = chain(0, 1), chain(1, 2)
+    for i, key in enumerate(on_disk + pinned):
+        complete(mgr, mgr.plan_store("s", [key], [i]))
+    other = mgr.plan_load("other", pinned, [50])
+    for i, key in enumerate(chain(2, 2)):  # on disk, and two of the host pool's three slots
+        complete(mgr, mgr.plan_store("s", [key], [60 + i]))
+    assert mgr.lookup(chain(2, 2), token="waiting") == 2  # promised the two slots
+    store = mgr.plan_store("s", chain(3, 1), [70])  # takes one of them
+    assert mgr.free_slots() < 0
+    assert mgr.lookup(pinned + on_disk, token="r") == 0
+    complete(mgr, store)
+    complete(mgr, other)
+    mgr.forget("waiting")
+    mgr.forget("r")
+    assert mgr.host.num_pins == 0
+
+
 def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):
     mgr = manager(str(tmp_path), host_slots=8, disk_entries=10)
     keys = chain(0, 4)
