@@ -162,6 +162,10 @@ class TierManager:
                 return tier.name
         return None
 
+    def _slots_needed(self, key: bytes, source: str) -> int:
+        """Host slots a plan takes for ``key``: a stage takes one, pinning an evictable host hit one."""
+        return self.host.is_evictable(key) if source == HOST else 1
+
     def _leading_hits(self, keys: Sequence[bytes], found: list[dict[bytes, bool]]) -> tuple[int, int]:
         """(leading hits, host slots their plan takes out of the host pool's available ones).
 
@@ -175,7 +179,7 @@ class TierManager:
             source = self._source(key, found)
             if source is None:
                 break
-            need = self.host.is_evictable(key) if source == HOST else 1
+            need = self._slots_needed(key, source)
             if taken + need > budget:
                 # The rest goes in later waves, through the slots each wave frees (``plan_load``), once
                 # the first wave has a block: a prompt larger than the host pool still loads whole.
@@ -232,7 +236,7 @@ class TierManager:
             if source is None or (layerwise and source != HOST):
                 break
             sources.append(source)
-            need = self.host.is_evictable(key) if source == HOST else 1
+            need = self._slots_needed(key, source)
             if end == len(sources) - 1 and taken + need <= room:
                 end, taken = end + 1, taken + need
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
