@@ -2,7 +2,7 @@
 
 This class runs in the scheduler and holds no tensor; it imports neither torch
 nor any engine. It answers lookups (the host pool, then each tier's index in
-order), plans load and store jobs that pin what they use, and, when every worker
+order: ``kvtier.lookups``), plans load and store jobs that pin what they use, and, when every worker
 has reported a job, releases the pins and records the outcome. Pins are released
 only then, on success and on failure alike, so a slot or file is never reused
 while a transfer uses it. It names no tier: the tiers below the host pool are
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -21,14 +20,13 @@ from typing import Sequence
 from kvtier.config import KVTierConfig
 from kvtier.ledger import Ledger
 from kvtier.load_waves import LoadWaves
+from kvtier.lookups import HOST, Lookups
 from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.base import TierIndex
 from kvtier.tiers.host import HostPoolIndex
 from kvtier.tiers.registry import make_index, tier_specs
 
 logger = logging.getLogger("kvtier.manager")
-
-HOST = "host"
 
 
 def num_host_slots(host_bytes: int, slot_bytes: int) -> int:
@@ -78,124 +76,36 @@ class TierManager:
         self.specs = tier_specs(config)
         self.tiers: list[TierIndex] = [make_index(spec, slot_bytes, self.rank_fingerprints) for spec in self.specs]
         self._writes_to = [tier for tier, spec in zip(self.tiers, self.specs) if spec.options.get("write", True)]
-        self._found: dict[str, list[dict[bytes, bool]]] = {}  # token -> per tier, what its last lookup found
-        # token -> host slots its lookup counted on (hits to pin, tier hits to stage), until it
-        # plans or goes away: another request's lookup does not count on the same slots.
-        self._promised: dict[str, int] = {}
-        self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
-        self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
         self.stats = ManagerStats()
         self._job_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
         # Misses by reason, and what each index gained and lost (for KV events and miss reasons).
         self.ledger = Ledger([self.host, *self.tiers], config.block_size or 0, track_holdings)
+        self.lookups = Lookups(self.host, self.tiers, self.ledger, config.load_timeout_s)
         self.waves = LoadWaves(self, config.load_timeout_s)  # loads larger than the free host slots
-
-    def miss_reason(self, key: bytes, token: str | None = None) -> str:
-        """Why ``key`` (the first block a lookup did not find) is not loadable: the tier that
-        evicted it, a damaged entry, a pool that was down or slow, no free host slot, or never
-        stored (or stored under another namespace, which looks the same from here)."""
-        if token is not None and token in self._slot_limited:
-            return "no_free_host_slot"
-        gone = self.ledger.gone(key)
-        if gone is not None and not self.host.contains(key):
-            return gone
-        if token is not None and any(getattr(tier, "unanswered", lambda t: False)(token) for tier in self.tiers):
-            return "pool_down_or_slow"
-        return "never_stored"
 
     def tier(self, name: str) -> TierIndex:
         return next(tier for tier in self.tiers if tier.name == name)
 
-    # --- lookup -------------------------------------------------------------
+    # --- lookup (kvtier.lookups) ---------------------------------------------
     def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
-        """Number of leading ``keys`` that some tier holds and that can be loaded now.
+        """Number of leading ``keys`` some tier holds and a plan can load now; None: ask again."""
+        return self.lookups.lookup(keys, token)
 
-        The host pool first, then each tier in order. A tier that asks others (a shared
-        directory, a storage pool) answers off this thread: while an answer is pending
-        this returns None (ask again with the same ``token``); one that is down or
-        silent counts as a miss. Tier hits are staged through host slots and host hits
-        are pinned, so no more of them count than the host pool could give at once:
-        what a lookup counts, its plan delivers, unless a store runs in between. Where
-        the hits stop at a block that is being written to the host pool (another
-        request's store or load of the same prefix), this also returns None, for at
-        most ``load_timeout_s``: waiting a step for a copy beats recomputing it.
-        """
-        self._promised.pop(token, None)  # this lookup replaces the token's previous one
-        local = self.host.lookup(keys)
-        found: list[dict[bytes, bool]] = []
-        if local < len(keys):
-            rest = keys[local:]
-            answers = [tier.lookup(rest, token) for tier in self.tiers]  # every tier asked at once
-            if any(answer is None for answer in answers):
-                return None
-            found = [dict(zip(rest, answer)) for answer in answers]
-        if token is not None:
-            self._found[token] = found
-        hits, taken = self._leading_hits(keys, found)
-        if token is not None:
-            limited = hits < len(keys) and self._source(keys[hits], found) is not None  # found, no slot
-            (self._slot_limited.add if limited else self._slot_limited.discard)(token)
-        if token is not None and hits < len(keys) and self.host.is_being_written(keys[hits]):
-            now = time.monotonic()
-            if now - self._waiting_since.setdefault(token, now) < self.config.load_timeout_s:
-                return None
-        if token is not None:
-            self._waiting_since.pop(token, None)
-        if token is not None and taken:
-            self._promised[token] = taken
-        return hits
+    def miss_reason(self, key: bytes, token: str | None = None) -> str:
+        return self.lookups.miss_reason(key, token)
+
+    def free_slots(self) -> int:
+        return self.lookups.free_slots()
 
     def host_hits(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` ready in the host pool (loadable layer by layer)."""
         return self.host.lookup(keys)
 
-    def _source(self, key: bytes, found: list[dict[bytes, bool]]) -> str | None:
-        """Where a block can be loaded from: "host", a tier's name, or None."""
-        if self.host.lookup((key,)):
-            return HOST
-        if self.host.contains(key):  # being written to host: not readable, and cannot take a second slot
-            return None
-        for tier, tier_found in zip(self.tiers, found):
-            if tier_found.get(key):
-                return tier.name
-        return None
-
-    def _slots_needed(self, key: bytes, source: str) -> int:
-        """Host slots a plan takes for ``key``: a stage takes one, pinning an evictable host hit one."""
-        return self.host.is_evictable(key) if source == HOST else 1
-
-    def _leading_hits(self, keys: Sequence[bytes], found: list[dict[bytes, bool]]) -> tuple[int, int]:
-        """(leading hits, host slots their plan takes out of the host pool's available ones).
-
-        A plan pins its evictable host hits and stages each tier hit through a slot of
-        its own; both come out of what the host pool could free now, less what other
-        lookups were promised. Hits stop where that runs out.
-        """
-        hits = taken = 0
-        budget = self.free_slots()
-        for key in keys:
-            source = self._source(key, found)
-            if source is None:
-                break
-            need = self._slots_needed(key, source)
-            if taken + need > budget:
-                # The rest goes in later waves, through the slots each wave frees (``plan_load``), once
-                # the first wave has a block: a prompt larger than the host pool still loads whole.
-                if hits > 0:
-                    hits += 1 + sum(1 for _ in itertools.takewhile(lambda k: self._source(k, found) is not None,
-                                                                   keys[hits + 1:]))
-                break
-            hits, taken = hits + 1, taken + need
-        return hits, taken
-
     def forget(self, token: str) -> None:
         """Drop what a lookup remembered for ``token`` (a request that went away)."""
-        self._found.pop(token, None)
-        self._promised.pop(token, None)
-        self._waiting_since.pop(token, None)
-        self._slot_limited.discard(token)
+        self.lookups.forget(token)
         self.ledger.forget(token)
         for tier in self.tiers:
             tier.forget(token)
@@ -218,11 +128,10 @@ class TierManager:
             raise ValueError(f"plan_load for {req_id}: {len(keys)} keys but {len(block_ids)} blocks")
         # A tier that asks others: what the request's lookup found (or its last wave's plan); the
         # others are asked again now (an entry may have been evicted since).
-        remembered = found or self._found.pop(req_id, None) or [{} for _ in self.tiers]
+        remembered = self.lookups.take(req_id)  # its promised slots are taken now, or not at all
+        remembered = found or remembered or [{} for _ in self.tiers]
         found = [remembered[i] if tier.asks_the_tier else dict(zip(keys, tier.lookup(keys, None)))
                  for i, tier in enumerate(self.tiers)]
-        self._promised.pop(req_id, None)  # the slots are taken now, or not at all
-        self._waiting_since.pop(req_id, None)
         for tier in self.tiers:  # the answer is used up: if this load fails, the next lookup asks again
             if tier.asks_the_tier:
                 tier.forget(req_id)
@@ -230,13 +139,13 @@ class TierManager:
         # This wave: as many blocks as the free slots allow (a pin takes one, a stage one), less the slots
         # other lookups were promised (their requests plan after this one, in the same step).
         end = taken = 0
-        room = self.free_slots()
+        room = self.lookups.free_slots()
         for key in keys:
-            source = self._source(key, found)
+            source = self.lookups.source(key, found)
             if source is None or (layerwise and source != HOST):
                 break
             sources.append(source)
-            need = self._slots_needed(key, source)
+            need = self.lookups.slots_needed(key, source)
             if end == len(sources) - 1 and taken + need <= room:
                 end, taken = end + 1, taken + need
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
@@ -268,10 +177,6 @@ class TierManager:
         if wave:
             self.waves.keep(job, list(keys[end:]), list(block_ids[end:]), found)
         return job
-
-    def free_slots(self) -> int:
-        """Host slots a plan could take now (free or evictable), less those lookups were promised."""
-        return self.host.num_available - sum(self._promised.values())
 
     def plan_missing(self, req_id: str, block_ids: Sequence[int], reason: str) -> LoadJob:
         """A load job that only reports ``block_ids`` missing (counted under ``reason``)."""

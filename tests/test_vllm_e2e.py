@@ -316,23 +316,29 @@ def test_a_conversations_next_turn_loads_the_answer_written_with_speculative_dec
 @pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
 def test_prompts_larger_than_the_host_pool_are_stored_and_loaded_whole(workdir, model, layout):
     """A host pool of 16 blocks and prompts of 62 and 40 blocks: stores past its free slots are tried again
-    in later steps as its writes end, and a new process loads each prompt in waves through it, every full
-    block from the disk tier, with outputs equal to the first process's, which computed everything."""
+    in later steps as its writes end, while the request runs (the first prompt, 8 tokens) or after it has
+    finished in its one step (the second, 1 token; vLLM keeps its blocks until they are stored). A new
+    process loads each prompt in waves through the pool, every full block from the disk tier, with outputs
+    equal to the first process's, which computed everything."""
     rng = random.Random(8)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (62 * BLOCK + 9, 40 * BLOCK)]
     slot_bytes = 4 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
     extra = {"host_bytes": 16 * (slot_bytes + 64), "disk_dir": str(workdir / f"waves-{layout}")}
+    # idle_s: with the engine in a process of its own, the last stores run while it steps on its own.
     spec = {"model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
-            "phases": [{"prompts": prompts, "max_tokens": 8}]}
+            "phases": [{"prompts": prompts[:1], "max_tokens": 8}, {"prompts": prompts[1:], "max_tokens": 1,
+                                                                   "idle_s": 2.0}]}
     first = run_app(workdir, f"waves-first-{layout}", spec, timeout=300)
     second = run_app(workdir, f"waves-second-{layout}", spec, timeout=300)
     for i, tokens in enumerate(prompts):
-        assert first["phases"][0]["outputs"][str(i)]["cached"] == 0
-        out = second["phases"][0]["outputs"][str(i)]
-        assert out["tokens"] == first["phases"][0]["outputs"][str(i)]["tokens"]
+        assert first["phases"][i]["outputs"]["0"]["cached"] == 0
+        out = second["phases"][i]["outputs"]["0"]
+        assert out["tokens"] == first["phases"][i]["outputs"]["0"]["tokens"]
         assert out["cached"] == len(tokens) // BLOCK * BLOCK, f"prompt of {len(tokens)} tokens"
     if layout == "in_process":
         state = second["kvtier"]
-        assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == sum(len(t) // BLOCK * BLOCK for t in prompts)
+        assert [phase["kvtier_delta"]["hit_tokens_disk"] for phase in second["phases"]] == \
+            [len(t) // BLOCK * BLOCK for t in prompts]
         assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["pending_jobs"] == 0
-        assert state["pending_waves"] == 0
+        assert state["pending_waves"] == 0 and state["finishing_requests"] == 0 and state["engine_requests"] == 0
+        assert first["kvtier"]["stats"]["skipped_store_blocks"] == 0

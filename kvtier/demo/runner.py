@@ -96,6 +96,7 @@ def kvtier_state(llm) -> dict:
         "tier_checks": sum(getattr(t, "num_checks", 0) for t in manager.tiers),  # existence asked of shared tiers
         "pending_jobs": manager.num_pending,
         "pending_waves": scheduler.num_pending_waves,  # loads larger than the host pool, under way
+        "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store
         "tracked_requests": scheduler.num_tracked_requests,
         # vLLM's own: a finished request whose blocks kvtier never released stays here.
         "engine_requests": len(llm.llm_engine.engine_core.engine_core.scheduler.requests),

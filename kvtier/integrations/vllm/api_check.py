@@ -26,7 +26,7 @@ CONNECTORS = "vllm/distributed/kv_transfer/kv_connector/"  # other connectors' c
 REQUIRED = ("build_connector_worker_meta", "update_connector_output", "get_handshake_metadata",
             "set_xfer_handshake_metadata", "handle_preemptions", "get_block_ids_with_load_errors",
             "has_pending_push_work", "request_finished", "get_finished")
-KVTIER_SOURCES = ("connector.py", "compat.py", "scheduler_side.py", "worker_side.py", "metadata.py",
+KVTIER_SOURCES = ("connector.py", "compat.py", "scheduler_side.py", "requests.py", "worker_side.py", "metadata.py",
                   "metrics.py", "namespace.py")
 
 

@@ -134,6 +134,7 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         return self._scheduler_side.take_events() if self._scheduler_side is not None else ()
 
     def has_pending_push_work(self) -> bool:
-        # Keep the engine stepping until every job has been reported: the reports
-        # release pins, and stores are durable only once reported.
-        return self._scheduler_side.num_pending_jobs > 0
+        # Keep the engine stepping until every job has been reported (the reports
+        # release pins, and stores are durable only once reported) and every finished
+        # request's blocks are stored.
+        return self._scheduler_side.has_pending_work

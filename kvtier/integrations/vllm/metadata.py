@@ -21,6 +21,8 @@ class KVTierMetadata(KVConnectorMetadata):
     store_jobs: list[StoreJob] = field(default_factory=list)
     # Requests preempted this step: their blocks are reused once stores reading them are done.
     preempted_store_job_ids: list[int] = field(default_factory=list)
+    # Stores of finished requests' blocks, whose KV earlier steps wrote: submitted at once.
+    finished_store_jobs: list[StoreJob] = field(default_factory=list)
     # Finished requests whose blocks vLLM keeps until these store jobs have read them.
     send_waits: dict[str, list[int]] = field(default_factory=dict)
     # The step computes nothing (every request waits, for its KV or otherwise).

@@ -9,30 +9,19 @@ finished request's blocks may be freed.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsTracker
-from kvtier.integrations.vllm.namespace import EngineGeometry, adapter_fingerprint
-from kvtier.keys import block_keys
+from kvtier.integrations.vllm.namespace import EngineGeometry
+from kvtier.integrations.vllm.requests import Requests, RequestState
 from kvtier.manager import TierManager
 
 logger = logging.getLogger("kvtier.vllm")
-
-
-@dataclass
-class _RequestState:
-    request: object  # vllm.v1.request.Request; read for its tokens
-    extra_keys: tuple
-    keys: list[bytes] = field(default_factory=list)  # full blocks keyed so far
-    block_ids: list[int] = field(default_factory=list)
-    num_stored_blocks: int = 0  # blocks [0, n) are stored, loaded, or were planned for storing
-    partial_planned: bool = False
-    store_job_ids: set[int] = field(default_factory=set)  # stores that read this request's current blocks
 
 
 class SchedulerSide:
@@ -48,12 +37,13 @@ class SchedulerSide:
         self.fingerprint = geometry.namespace.fingerprint()
         # Built when every rank has announced its layout (vLLM's start-up handshake).
         self.manager: TierManager | None = None
-        self._requests: dict[str, _RequestState] = {}
+        self.requests = Requests(self.fingerprint, self.block_size)  # each request's keys and device blocks
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
         self._new_loads = []
         self._wave_tokens: dict[str, dict[int, int]] = {}  # request -> its waves' tokens per device block
         self._send_waits: dict[str, list[int]] = {}
+        self._finishing: dict[str, tuple] = {}  # finished request -> (state, full blocks to store, last progress)
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
         self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
@@ -80,6 +70,7 @@ class SchedulerSide:
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
             journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
             self._events = KVEvents({spec.name: spec.location for spec in self.manager.specs}, journal=journal)
+            self.requests.on_keyed = self._events.remember  # vLLM's hashes of new blocks, for any tier's events
         # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
         # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
         from kvtier.namespaces import ForeignProbe, record_of
@@ -92,41 +83,6 @@ class SchedulerSide:
     def num_pending_jobs(self) -> int:
         return self.manager.num_pending if self.manager is not None else 0
 
-    # --- keys ---------------------------------------------------------------
-    def _state(self, request) -> _RequestState:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            extra = []
-            if getattr(request, "lora_request", None) is not None:
-                # The adapter's content, not only its name: one reloaded under the same name
-                # with other weights must not be served the old adapter's KV.
-                extra.append(f"lora:{request.lora_request.lora_name}:{adapter_fingerprint(request.lora_request)}")
-            if getattr(request, "cache_salt", None):
-                extra.append("salt:" + str(request.cache_salt))
-            state = _RequestState(request, tuple(extra))
-            self._requests[request.request_id] = state
-        return state
-
-    def _full_keys(self, state: _RequestState, num_tokens: int) -> list[bytes]:
-        """Keys of the full blocks among the first ``num_tokens`` tokens, extended incrementally."""
-        num_full = num_tokens // self.block_size
-        if len(state.keys) < num_full:
-            tokens = state.request.all_token_ids[:num_full * self.block_size]
-            first = len(state.keys)
-            state.keys += block_keys(self.fingerprint, tokens, self.block_size, state.extra_keys,
-                                     start_block=first, parent=state.keys[-1] if state.keys else None)
-            if self._events is not None:  # vLLM's hashes of these blocks, for the events of any tier
-                self._events.remember(state.request, state.keys[first:], first, self.block_size)
-        return state.keys[:num_full]
-
-    def _partial_key(self, state: _RequestState, num_tokens: int) -> bytes | None:
-        if num_tokens % self.block_size == 0:
-            return None
-        full = self._full_keys(state, num_tokens)
-        tokens = state.request.all_token_ids[len(full) * self.block_size:num_tokens]
-        return block_keys(self.fingerprint, tokens, self.block_size, state.extra_keys, include_partial=True,
-                          parent=full[-1] if full else None)[-1]
-
     @staticmethod
     def _unsupported(request) -> bool:
         return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
@@ -135,10 +91,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.manager is None or self._unsupported(request):
             return 0, False
-        state = self._state(request)
+        state = self.requests.state(request)
         num_tokens = request.num_tokens
-        keys = self._full_keys(state, num_tokens)
-        partial = self._partial_key(state, num_tokens) if self.partial_blocks else None
+        keys = self.requests.full_keys(state, num_tokens)
+        partial = self.requests.partial_key(state, num_tokens) if self.partial_blocks else None
         start = num_computed_tokens // self.block_size
         wanted = keys[start:] + ([partial] if partial is not None else [])
         hits = self.manager.lookup(wanted, token=request.request_id)
@@ -163,7 +119,7 @@ class SchedulerSide:
         return num_external, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        state = self._state(request)
+        state = self.requests.state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
         if request.request_id not in self._lookups:
             return  # the second call, after a load: only the block list changed
@@ -174,7 +130,7 @@ class SchedulerSide:
         # A lookup after a failed load (vLLM recomputes) is not counted twice under a reason.
         counted = self.manager.ledger.load_misses.pop(request.request_id, 0)
         if missed > counted:  # counted under the reason of the first block not found: the rest follow it
-            full = self._full_keys(state, request.num_tokens)
+            full = self.requests.full_keys(state, request.num_tokens)
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
@@ -182,9 +138,9 @@ class SchedulerSide:
         if num_external_tokens == 0:
             return
         first_block = first_token // self.block_size
-        keys = self._full_keys(state, hit_tokens)[first_block:]
+        keys = self.requests.full_keys(state, hit_tokens)[first_block:]
         if hit_tokens % self.block_size:
-            keys.append(self._partial_key(state, hit_tokens))
+            keys.append(self.requests.partial_key(state, hit_tokens))
         block_ids = state.block_ids[first_block:first_block + len(keys)]
         job = self.manager.plan_load(request.request_id, keys, block_ids,
                                      layerwise=request.request_id in self._layerwise_loads)
@@ -204,42 +160,24 @@ class SchedulerSide:
             self.hit_tokens[source] += tokens_of[block_id]
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._requests:
-                self._requests[new.req_id].block_ids = list(new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            new_block_ids = cached.new_block_ids[i]
-            if state is None or new_block_ids is None:
-                continue
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_block_ids[0])  # a resumed request gets all its blocks anew
-            else:
-                state.block_ids += new_block_ids[0]
-        for req_id in scheduler_output.preempted_req_ids or ():
-            state = self._requests.get(req_id)
-            if state is not None:
-                # vLLM frees the blocks now; workers wait for these stores before reusing them.
-                self._preempted_store_job_ids += state.store_job_ids
-                state.store_job_ids = set()
-                state.block_ids = []
+        self._preempted_store_job_ids += self.requests.follow_blocks(scheduler_output)
         for job in self.manager.waves.due_jobs() if self.manager is not None else ():
             self._new_loads.append(job)
             tokens_of = self._wave_tokens.pop(job.req_id) if job.final else self._wave_tokens[job.req_id]
             self._count_hits(job, tokens_of)
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
+            state = self.requests.get(req_id)
             if state is None or self.manager is None or not self.stores_enabled or self._unsupported(state.request):
                 continue
             store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
-        meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, self._send_waits,
-                              idle=scheduler_output.total_num_scheduled_tokens == 0)
+        finished_store_jobs = self._finish_stores() if self.manager is not None else []
+        meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, finished_store_jobs,
+                              self._send_waits, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
         return meta
 
-    def _plan_stores(self, state: _RequestState, num_computed_after: int) -> list:
+    def _plan_stores(self, state: RequestState, num_computed_after: int) -> list:
         """Stores of the blocks that this step completes (and the prompt's partial block)."""
         request = state.request
         # Speculative decoding schedules draft tokens past the request's own: their KV may be
@@ -247,7 +185,7 @@ class SchedulerSide:
         num_full = min(min(num_computed_after, request.num_tokens) // self.block_size, len(state.block_ids))
         jobs = []
         if num_full > state.num_stored_blocks:
-            keys = self._full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
+            keys = self.requests.full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
             job = self.manager.plan_store(request.request_id, keys, state.block_ids[state.num_stored_blocks:num_full],
                                           count_skipped=False)
             # Blocks past the host pool's free slots are tried again next step, while the request still
@@ -258,12 +196,30 @@ class SchedulerSide:
         if (self.partial_blocks and not state.partial_planned and num_computed_after >= num_prompt
                 and num_prompt % self.block_size and num_prompt // self.block_size < len(state.block_ids)):
             state.partial_planned = True
-            jobs.append(self.manager.plan_store(request.request_id, [self._partial_key(state, num_prompt)],
+            jobs.append(self.manager.plan_store(request.request_id, [self.requests.partial_key(state, num_prompt)],
                                                 [state.block_ids[num_prompt // self.block_size]]))
         jobs = [job for job in jobs if job is not None]
         for job in jobs:
             state.store_job_ids.add(job.job_id)
             self._store_job_owner[job.job_id] = request.request_id
+        return jobs
+
+    def _finish_stores(self) -> list:
+        """Stores of finished requests' blocks that the host pool had no free slot for, as slots free.
+        A request's blocks are freed once its stores have read them: when every block is planned, or
+        when no slot has freed for ``load_timeout_s`` (the rest counted in ``skipped_store_blocks``)."""
+        jobs, now = [], time.monotonic()
+        for req_id, (state, num_full, since) in list(self._finishing.items()):
+            before = state.num_stored_blocks
+            jobs += self._plan_stores(state, num_full * self.block_size)
+            if state.num_stored_blocks > before:
+                since = now
+                self._finishing[req_id] = (state, num_full, now)
+            if state.num_stored_blocks < num_full and now - since < self.config.load_timeout_s:
+                continue
+            del self._finishing[req_id]
+            self.manager.stats.skipped_store_blocks += num_full - state.num_stored_blocks
+            self._send_waits[req_id] = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
         return jobs
 
     def update_connector_output(self, connector_output) -> None:
@@ -273,7 +229,7 @@ class SchedulerSide:
         self.manager.on_released(meta.released_slot_ids)
         for job_id in self.manager.on_reports(meta.reports):
             req_id = self._store_job_owner.pop(job_id, None)
-            state = self._requests.get(req_id) if req_id is not None else None
+            state = self.requests.get(req_id) if req_id is not None else None
             if state is not None:
                 state.store_job_ids.discard(job_id)
 
@@ -284,12 +240,21 @@ class SchedulerSide:
             self.manager.close()
 
     @property
+    def has_pending_work(self) -> bool:
+        """Jobs not yet reported, or finished requests' blocks still to store: vLLM keeps stepping."""
+        return self.num_pending_jobs > 0 or bool(self._finishing)
+
+    @property
+    def num_finishing(self) -> int:
+        return len(self._finishing)
+
+    @property
     def num_pending_waves(self) -> int:
         return self.manager.waves.num_under_way if self.manager is not None else 0
 
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._requests)
+        return len(self.requests)
 
     def collect_stats(self):
         if self.manager is None:
@@ -303,17 +268,20 @@ class SchedulerSide:
                 + self._events.events(self.manager.ledger.take_holdings(), self.block_size))
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
-        state = self._requests.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id)
         self._lookups.pop(request.request_id, None)
-        if state is not None and self.manager is not None and self.stores_enabled and not self._unsupported(request):
-            computed = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-            self.manager.stats.skipped_store_blocks += max(0, min(computed, len(state.block_ids))
-                                                           - state.num_stored_blocks)
         if self.manager is not None:
             self.manager.forget(request.request_id)
             self.manager.waves.drop(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
+        storing = self.stores_enabled and not self._unsupported(request)
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(state.block_ids))
+        if storing and num_full > state.num_stored_blocks:
+            # Blocks the host pool had no free slot for: stored at the next steps, as its slots free
+            # (``_finish_stores``); vLLM keeps them until then, and steps while it does.
+            self._finishing[request.request_id] = (state, num_full, time.monotonic())
+            return True, None
         pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
         if not pending:
             return False, None

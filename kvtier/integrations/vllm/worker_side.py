@@ -98,6 +98,8 @@ class WorkerSide:
         # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
         self._send_waits.update(meta.send_waits)
         self._idle_step = meta.idle
+        for job in self._new_jobs(meta.finished_store_jobs):  # their KV is in place: no forward to wait for
+            self.tier_worker.submit_store(job)
         self._step_layer_loads, self._step_layer_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id

@@ -1,0 +1,131 @@
+"""What a lookup counts on: the leading blocks the tiers hold, and the host slots their load takes. Torch-free.
+
+A lookup asks the host pool, then every tier at once (a tier that asks others answers
+off the scheduler's thread: "ask again"). What it counts, the request's plan delivers
+(``kvtier.manager.TierManager.plan_load``): each tier hit is staged through a host slot
+and each evictable host hit is pinned, so a lookup counts no more of them than the host
+pool's available slots less those other lookups were promised, and promises its own
+until its request plans or goes away. It also remembers, per request, what the tiers
+found (the plan uses it), whether its hits stopped for lack of a host slot, and how long
+it has waited for a block that is being written to the host pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+from kvtier.ledger import Ledger
+from kvtier.tiers.base import TierIndex
+from kvtier.tiers.host import HostPoolIndex
+
+HOST = "host"
+
+
+class Lookups:
+    def __init__(self, host: HostPoolIndex, tiers: Sequence[TierIndex], ledger: Ledger, wait_s: float):
+        self.host = host
+        self.tiers = list(tiers)
+        self.ledger = ledger
+        self.wait_s = wait_s  # the longest a lookup waits for a block being written to the host pool
+        self._found: dict[str, list[dict[bytes, bool]]] = {}  # token -> per tier, what its last lookup found
+        self._promised: dict[str, int] = {}  # token -> host slots its lookup counted on
+        self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
+        self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
+
+    def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
+        """Number of leading ``keys`` that some tier holds and that can be loaded now.
+
+        The host pool first, then each tier in order. While a tier that asks others has
+        not answered, this returns None (ask again with the same ``token``); one that is
+        down or silent counts as a miss. Where the hits stop at a block that is being
+        written to the host pool (another request's store or load of the same prefix),
+        this also returns None, for at most ``wait_s``: waiting a step for a copy beats
+        recomputing it.
+        """
+        self._promised.pop(token, None)  # this lookup replaces the token's previous one
+        local = self.host.lookup(keys)
+        found: list[dict[bytes, bool]] = []
+        if local < len(keys):
+            rest = keys[local:]
+            answers = [tier.lookup(rest, token) for tier in self.tiers]  # every tier asked at once
+            if any(answer is None for answer in answers):
+                return None
+            found = [dict(zip(rest, answer)) for answer in answers]
+        hits, taken = self._leading_hits(keys, found)
+        if token is None:
+            return hits
+        self._found[token] = found
+        limited = hits < len(keys) and self.source(keys[hits], found) is not None  # found, but no slot
+        (self._slot_limited.add if limited else self._slot_limited.discard)(token)
+        if hits < len(keys) and self.host.is_being_written(keys[hits]):
+            now = time.monotonic()
+            if now - self._waiting_since.setdefault(token, now) < self.wait_s:
+                return None
+        self._waiting_since.pop(token, None)
+        if taken:
+            self._promised[token] = taken
+        return hits
+
+    def source(self, key: bytes, found: list[dict[bytes, bool]]) -> str | None:
+        """Where a block can be loaded from: "host", a tier's name, or None."""
+        if self.host.lookup((key,)):
+            return HOST
+        if self.host.contains(key):  # being written to host: not readable, and cannot take a second slot
+            return None
+        for tier, tier_found in zip(self.tiers, found):
+            if tier_found.get(key):
+                return tier.name
+        return None
+
+    def slots_needed(self, key: bytes, source: str) -> int:
+        """Host slots a plan takes for ``key``: a stage takes one, pinning an evictable host hit one."""
+        return self.host.is_evictable(key) if source == HOST else 1
+
+    def free_slots(self) -> int:
+        """Host slots a plan could take now (free or evictable), less those lookups were promised."""
+        return self.host.num_available - sum(self._promised.values())
+
+    def _leading_hits(self, keys: Sequence[bytes], found: list[dict[bytes, bool]]) -> tuple[int, int]:
+        """(leading hits, host slots the first wave of their plan takes out of ``free_slots``)."""
+        hits = taken = 0
+        budget = self.free_slots()
+        for key in keys:
+            source = self.source(key, found)
+            if source is None:
+                break
+            need = self.slots_needed(key, source)
+            if taken + need > budget:
+                # The rest goes in later waves, through the slots each wave frees (``kvtier.load_waves``),
+                # once the first wave has a block: a prompt larger than the host pool still loads whole.
+                if hits > 0:
+                    hits += 1 + sum(1 for _ in itertools.takewhile(lambda k: self.source(k, found) is not None,
+                                                                   keys[hits + 1:]))
+                break
+            hits, taken = hits + 1, taken + need
+        return hits, taken
+
+    def take(self, token: str) -> list[dict[bytes, bool]] | None:
+        """What the token's lookup found, as its plan takes its slots now (its promise ends)."""
+        self._promised.pop(token, None)
+        self._waiting_since.pop(token, None)
+        return self._found.pop(token, None)
+
+    def miss_reason(self, key: bytes, token: str | None = None) -> str:
+        """Why ``key`` (the first block a lookup did not find) is not loadable: the tier that
+        evicted it, a damaged entry, a pool that was down or slow, no free host slot, or never
+        stored (or stored under another namespace, which looks the same from here)."""
+        if token is not None and token in self._slot_limited:
+            return "no_free_host_slot"
+        gone = self.ledger.gone(key)
+        if gone is not None and not self.host.contains(key):
+            return gone
+        if token is not None and any(getattr(tier, "unanswered", lambda t: False)(token) for tier in self.tiers):
+            return "pool_down_or_slow"
+        return "never_stored"
+
+    def forget(self, token: str) -> None:
+        """Drop what the token's lookup remembered (a request that went away)."""
+        self.take(token)
+        self._slot_limited.discard(token)
