@@ -74,6 +74,43 @@ def test_prefill_decode_disaggregation_through_the_pool(workdir, model, referenc
     assert consumer["kvtier"]["verify_failures"] == 0 and consumer["kvtier"]["host_pins"] == 0
 
 
+BURST = [prompt(20 + i, blocks * BLOCK + 5) for i, blocks in enumerate((40, 30, 50, 20))]
+
+
+@pytest.fixture(scope="module")
+def burst_reference(workdir, model):
+    result = run_app(workdir, "burst-reference", {"model": model, "phases": [{"prompts": BURST}]})
+    return [result["phases"][0]["outputs"][str(i)]["tokens"] for i in range(len(BURST))]
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_a_prefill_only_producer_hands_over_every_token_through_a_host_pool_smaller_than_its_prompts(
+        workdir, model, burst_reference, layout, tmp_path):
+    """Four prompts of 20 to 50 blocks at once, each finished in its one step (max_tokens 1), through a host
+    pool of 16 blocks: what its free slots did not take is stored after the request has finished, as its
+    writes to the pool end, so the decode instance loads every prompt token, partial blocks included."""
+    slot_bytes = 3 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
+    extra = {"host_bytes": 16 * (slot_bytes + 64)}
+    with local_redis(log_path=str(tmp_path / "pool.log")) as server:
+        # idle_s: with the engine in a process of its own, the last stores run while it steps on its own.
+        producer = run_app(workdir, f"burst-producer-{layout}", {
+            "model": model, "connector": "kvtier", "extra": pool_extra(server.url, **extra), "layout": layout,
+            "engine": {**ENGINE, "role": "kv_producer"},
+            "phases": [{"prompts": BURST, "mode": "concurrent", "max_tokens": 1, "idle_s": 2.0}]})
+        consumer = run_app(workdir, f"burst-consumer-{layout}", {
+            "model": model, "connector": "kvtier", "extra": pool_extra(server.url, **extra), "layout": layout,
+            "engine": {**ENGINE, "role": "kv_consumer"}, "phases": [{"prompts": BURST}]})
+    for i, tokens in enumerate(BURST):
+        out = consumer["phases"][0]["outputs"][str(i)]
+        assert out["cached"] == len(tokens), f"prompt {i} of {len(tokens)} tokens"
+        assert out["tokens"] == burst_reference[i]
+    if layout == "in_process":
+        state = producer["kvtier"]
+        assert state["stats"]["skipped_store_blocks"] == 0 and state["finishing_requests"] == 0
+        assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["engine_requests"] == 0
+        assert sum(state["stats"]["written_blocks"].values()) == sum(-(-len(t) // BLOCK) for t in BURST)
+
+
 def test_two_instances_share_a_pool(workdir, model, reference, tmp_path):
     tokens = PROMPTS["shared"]
     with local_mooncake(log_path=str(tmp_path / "pool.log")) as server:

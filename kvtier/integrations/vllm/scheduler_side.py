@@ -43,7 +43,7 @@ class SchedulerSide:
         self._new_loads = []
         self._wave_tokens: dict[str, dict[int, int]] = {}  # request -> its waves' tokens per device block
         self._send_waits: dict[str, list[int]] = {}
-        self._finishing: dict[str, tuple] = {}  # finished request -> (state, full blocks to store, last progress)
+        self._finishing: dict[str, tuple] = {}  # finished request -> (state, full blocks, tokens computed, last progress)
         self._preempted_store_job_ids: list[int] = []
         self._store_job_owner: dict[int, str] = {}
         self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
@@ -192,33 +192,43 @@ class SchedulerSide:
             # holds them (its slots free as its writes end): a prompt larger than the host pool is stored whole.
             state.num_stored_blocks += self.manager.num_held_prefix(keys)
             jobs.append(job)
-        num_prompt = request.num_prompt_tokens
-        if (self.partial_blocks and not state.partial_planned and num_computed_after >= num_prompt
-                and num_prompt % self.block_size and num_prompt // self.block_size < len(state.block_ids)):
-            state.partial_planned = True
-            jobs.append(self.manager.plan_store(request.request_id, [self.requests.partial_key(state, num_prompt)],
-                                                [state.block_ids[num_prompt // self.block_size]]))
+        if self._partial_unstored(state, num_computed_after):
+            num_prompt = request.num_prompt_tokens
+            key = self.requests.partial_key(state, num_prompt)
+            jobs.append(self.manager.plan_store(request.request_id, [key], [state.block_ids[num_prompt // self.block_size]],
+                                                count_skipped=False))
+            state.partial_planned = self.manager.num_held_prefix([key]) == 1  # else tried again, as full blocks are
         jobs = [job for job in jobs if job is not None]
         for job in jobs:
             state.store_job_ids.add(job.job_id)
             self._store_job_owner[job.job_id] = request.request_id
         return jobs
 
+    def _partial_unstored(self, state: RequestState, num_computed: int) -> bool:
+        """Whether the prompt's partial block is computed and not yet stored (nor planned)."""
+        num_prompt = state.request.num_prompt_tokens
+        return (self.partial_blocks and not state.partial_planned and num_computed >= num_prompt
+                and num_prompt % self.block_size != 0 and num_prompt // self.block_size < len(state.block_ids))
+
+    def _num_unstored(self, state: RequestState, num_full: int, num_computed: int) -> int:
+        return max(0, num_full - state.num_stored_blocks) + self._partial_unstored(state, num_computed)
+
     def _finish_stores(self) -> list:
         """Stores of finished requests' blocks that the host pool had no free slot for, as slots free.
         A request's blocks are freed once its stores have read them: when every block is planned, or
         when no slot has freed for ``load_timeout_s`` (the rest counted in ``skipped_store_blocks``)."""
         jobs, now = [], time.monotonic()
-        for req_id, (state, num_full, since) in list(self._finishing.items()):
-            before = state.num_stored_blocks
-            jobs += self._plan_stores(state, num_full * self.block_size)
-            if state.num_stored_blocks > before:
+        for req_id, (state, num_full, num_computed, since) in list(self._finishing.items()):
+            before = self._num_unstored(state, num_full, num_computed)
+            jobs += self._plan_stores(state, num_computed)
+            left = self._num_unstored(state, num_full, num_computed)
+            if left < before:
                 since = now
-                self._finishing[req_id] = (state, num_full, now)
-            if state.num_stored_blocks < num_full and now - since < self.config.load_timeout_s:
+                self._finishing[req_id] = (state, num_full, num_computed, now)
+            if left and now - since < self.config.load_timeout_s:
                 continue
             del self._finishing[req_id]
-            self.manager.stats.skipped_store_blocks += num_full - state.num_stored_blocks
+            self.manager.stats.skipped_store_blocks += left
             self._send_waits[req_id] = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
         return jobs
 
@@ -275,12 +285,12 @@ class SchedulerSide:
             self.manager.waves.drop(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
-        storing = self.stores_enabled and not self._unsupported(request)
-        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(state.block_ids))
-        if storing and num_full > state.num_stored_blocks:
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(state.block_ids))
+        if self.stores_enabled and not self._unsupported(request) and self._num_unstored(state, num_full, num_computed):
             # Blocks the host pool had no free slot for: stored at the next steps, as its slots free
             # (``_finish_stores``); vLLM keeps them until then, and steps while it does.
-            self._finishing[request.request_id] = (state, num_full, time.monotonic())
+            self._finishing[request.request_id] = (state, num_full, num_computed, time.monotonic())
             return True, None
         pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
         if not pending:
