@@ -1,15 +1,14 @@
 """The connector's scheduler half: vLLM requests in, kvtier jobs out.
 
 This runs in vLLM's scheduler process and holds no tensor. It keys each
-request's blocks, asks the ``TierManager`` for hits, plans loads into the blocks
-vLLM allocated and stores of blocks each step computes, and tells vLLM when a
-finished request's blocks may be freed.
+request's blocks (``requests``), asks the ``TierManager`` for hits, plans loads
+into the blocks vLLM allocated and stores of the blocks each step computes
+(``store_plans``), and tells vLLM when a finished request's blocks may be freed.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 
 from vllm.v1.request import RequestStatus
@@ -18,7 +17,8 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsTracker
 from kvtier.integrations.vllm.namespace import EngineGeometry
-from kvtier.integrations.vllm.requests import Requests, RequestState
+from kvtier.integrations.vllm.requests import Requests
+from kvtier.integrations.vllm.store_plans import StorePlans
 from kvtier.manager import TierManager
 
 logger = logging.getLogger("kvtier.vllm")
@@ -43,9 +43,8 @@ class SchedulerSide:
         self._new_loads = []
         self._wave_tokens: dict[str, dict[int, int]] = {}  # request -> its waves' tokens per device block
         self._send_waits: dict[str, list[int]] = {}
-        self._finishing: dict[str, tuple] = {}  # finished request -> (state, full blocks, tokens computed, last progress)
         self._preempted_store_job_ids: list[int] = []
-        self._store_job_owner: dict[int, str] = {}
+        self.stores: StorePlans | None = None  # which blocks are stored when; built with the manager
         self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
         self.miss_tokens = 0
         self._stats = StatsTracker()
@@ -65,6 +64,7 @@ class SchedulerSide:
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
                                    track_holdings=self.kv_events)
         self.manager.ledger.block_tokens = self.block_size
+        self.stores = StorePlans(self.manager, self.requests, self.partial_blocks, self.config.load_timeout_s)
         if self.kv_events:
             from kvtier.integrations.vllm.events import DiskJournal, KVEvents
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
@@ -170,78 +170,19 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is None or self.manager is None or not self.stores_enabled or self._unsupported(state.request):
                 continue
-            store_jobs += self._plan_stores(state, state.request.num_computed_tokens + num_scheduled)
-        finished_store_jobs = self._finish_stores() if self.manager is not None else []
+            store_jobs += self.stores.plan(state, state.request.num_computed_tokens + num_scheduled)
+        finished_store_jobs = self.stores.finish(self._send_waits) if self.manager is not None else []
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, finished_store_jobs,
                               self._send_waits, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
         return meta
-
-    def _plan_stores(self, state: RequestState, num_computed_after: int) -> list:
-        """Stores of the blocks that this step completes (and the prompt's partial block)."""
-        request = state.request
-        # Speculative decoding schedules draft tokens past the request's own: their KV may be
-        # rejected, and a block is whole only once its tokens are the request's.
-        num_full = min(min(num_computed_after, request.num_tokens) // self.block_size, len(state.block_ids))
-        jobs = []
-        if num_full > state.num_stored_blocks:
-            keys = self.requests.full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
-            job = self.manager.plan_store(request.request_id, keys, state.block_ids[state.num_stored_blocks:num_full],
-                                          count_skipped=False)
-            # Blocks past the host pool's free slots are tried again next step, while the request still
-            # holds them (its slots free as its writes end): a prompt larger than the host pool is stored whole.
-            state.num_stored_blocks += self.manager.num_held_prefix(keys)
-            jobs.append(job)
-        if self._partial_unstored(state, num_computed_after):
-            num_prompt = request.num_prompt_tokens
-            key = self.requests.partial_key(state, num_prompt)
-            jobs.append(self.manager.plan_store(request.request_id, [key], [state.block_ids[num_prompt // self.block_size]],
-                                                count_skipped=False))
-            state.partial_planned = self.manager.num_held_prefix([key]) == 1  # else tried again, as full blocks are
-        jobs = [job for job in jobs if job is not None]
-        for job in jobs:
-            state.store_job_ids.add(job.job_id)
-            self._store_job_owner[job.job_id] = request.request_id
-        return jobs
-
-    def _partial_unstored(self, state: RequestState, num_computed: int) -> bool:
-        """Whether the prompt's partial block is computed and not yet stored (nor planned)."""
-        num_prompt = state.request.num_prompt_tokens
-        return (self.partial_blocks and not state.partial_planned and num_computed >= num_prompt
-                and num_prompt % self.block_size != 0 and num_prompt // self.block_size < len(state.block_ids))
-
-    def _num_unstored(self, state: RequestState, num_full: int, num_computed: int) -> int:
-        return max(0, num_full - state.num_stored_blocks) + self._partial_unstored(state, num_computed)
-
-    def _finish_stores(self) -> list:
-        """Stores of finished requests' blocks that the host pool had no free slot for, as slots free.
-        A request's blocks are freed once its stores have read them: when every block is planned, or
-        when no slot has freed for ``load_timeout_s`` (the rest counted in ``skipped_store_blocks``)."""
-        jobs, now = [], time.monotonic()
-        for req_id, (state, num_full, num_computed, since) in list(self._finishing.items()):
-            before = self._num_unstored(state, num_full, num_computed)
-            jobs += self._plan_stores(state, num_computed)
-            left = self._num_unstored(state, num_full, num_computed)
-            if left < before:
-                since = now
-                self._finishing[req_id] = (state, num_full, num_computed, now)
-            if left and now - since < self.config.load_timeout_s:
-                continue
-            del self._finishing[req_id]
-            self.manager.stats.skipped_store_blocks += left
-            self._send_waits[req_id] = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
-        return jobs
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
         self.manager.on_released(meta.released_slot_ids)
-        for job_id in self.manager.on_reports(meta.reports):
-            req_id = self._store_job_owner.pop(job_id, None)
-            state = self.requests.get(req_id) if req_id is not None else None
-            if state is not None:
-                state.store_job_ids.discard(job_id)
+        self.stores.on_completed(self.manager.on_reports(meta.reports))
 
     def shutdown(self) -> None:
         if self._events is not None and self._events.journal is not None:
@@ -252,11 +193,11 @@ class SchedulerSide:
     @property
     def has_pending_work(self) -> bool:
         """Jobs not yet reported, or finished requests' blocks still to store: vLLM keeps stepping."""
-        return self.num_pending_jobs > 0 or bool(self._finishing)
+        return self.num_pending_jobs > 0 or (self.stores is not None and self.stores.num_finishing > 0)
 
     @property
     def num_finishing(self) -> int:
-        return len(self._finishing)
+        return self.stores.num_finishing if self.stores is not None else 0
 
     @property
     def num_pending_waves(self) -> int:
@@ -285,14 +226,11 @@ class SchedulerSide:
             self.manager.waves.drop(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
-        num_computed = min(request.num_computed_tokens, request.num_tokens)
-        num_full = min(num_computed // self.block_size, len(state.block_ids))
-        if self.stores_enabled and not self._unsupported(request) and self._num_unstored(state, num_full, num_computed):
-            # Blocks the host pool had no free slot for: stored at the next steps, as its slots free
-            # (``_finish_stores``); vLLM keeps them until then, and steps while it does.
-            self._finishing[request.request_id] = (state, num_full, num_computed, time.monotonic())
+        if self.stores_enabled and not self._unsupported(request) and self.stores.keep_finishing(request, state):
+            # Blocks the host pool had no free slot for: stored at the next steps, as its slots free;
+            # vLLM keeps them until then, and steps while it does (``has_pending_push_work``).
             return True, None
-        pending = [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
+        pending = self.stores.pending(state)
         if not pending:
             return False, None
         # Stores still read this request's blocks: vLLM keeps them until the workers say they are done.

@@ -1,0 +1,105 @@
+"""Which of a request's blocks are stored, and when: the scheduler side's store planning.
+
+A block is stored in the step that completes it (the prompt's partial block once the
+prompt is computed). Where the host pool has no free slot for it, it is tried again at
+the request's next steps, as the pool's writes end, and after the request has finished:
+vLLM then keeps the request's blocks (``request_finished`` answers that it still
+sends) until every block is planned, or until no slot has freed for ``timeout_s``
+(the rest counted in ``skipped_store_blocks``), and frees them once those stores have
+read them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvtier.integrations.vllm.requests import Requests, RequestState
+from kvtier.manager import TierManager
+
+
+class StorePlans:
+    def __init__(self, manager: TierManager, requests: Requests, partial_blocks: bool, timeout_s: float):
+        self.manager = manager
+        self.requests = requests
+        self.block_size = requests.block_size
+        self.partial_blocks = partial_blocks  # the prompt's last, partial block is stored too
+        self.timeout_s = timeout_s
+        self._owner: dict[int, str] = {}  # store job -> its request
+        self._finishing: dict[str, tuple] = {}  # finished request -> (state, full blocks, tokens computed, progress)
+
+    def plan(self, state: RequestState, num_computed: int) -> list:
+        """Stores of the blocks complete once ``num_computed`` tokens are (and the prompt's partial block)."""
+        request = state.request
+        # Speculative decoding schedules draft tokens past the request's own: their KV may be
+        # rejected, and a block is whole only once its tokens are the request's.
+        num_full = min(min(num_computed, request.num_tokens) // self.block_size, len(state.block_ids))
+        jobs = []
+        if num_full > state.num_stored_blocks:
+            keys = self.requests.full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
+            jobs.append(self.manager.plan_store(request.request_id, keys,
+                                                state.block_ids[state.num_stored_blocks:num_full], count_skipped=False))
+            # Blocks past the host pool's free slots are tried again next step, while the request still
+            # holds them (its slots free as its writes end): a prompt larger than the host pool is stored whole.
+            state.num_stored_blocks += self.manager.num_held_prefix(keys)
+        if self._partial_unstored(state, num_computed):
+            num_prompt = request.num_prompt_tokens
+            key = self.requests.partial_key(state, num_prompt)
+            jobs.append(self.manager.plan_store(request.request_id, [key], [state.block_ids[num_prompt // self.block_size]],
+                                                count_skipped=False))
+            state.partial_planned = self.manager.num_held_prefix([key]) == 1  # else tried again, as full blocks are
+        jobs = [job for job in jobs if job is not None]
+        for job in jobs:
+            state.store_job_ids.add(job.job_id)
+            self._owner[job.job_id] = request.request_id
+        return jobs
+
+    def _partial_unstored(self, state: RequestState, num_computed: int) -> bool:
+        """Whether the prompt's partial block is computed and not yet stored (nor planned)."""
+        num_prompt = state.request.num_prompt_tokens
+        return (self.partial_blocks and not state.partial_planned and num_computed >= num_prompt
+                and num_prompt % self.block_size != 0 and num_prompt // self.block_size < len(state.block_ids))
+
+    def _num_unstored(self, state: RequestState, num_full: int, num_computed: int) -> int:
+        return max(0, num_full - state.num_stored_blocks) + self._partial_unstored(state, num_computed)
+
+    def keep_finishing(self, request, state: RequestState) -> bool:
+        """A finished request: True if some of its computed blocks are still to store (vLLM keeps them)."""
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(state.block_ids))
+        if not self._num_unstored(state, num_full, num_computed):
+            return False
+        self._finishing[request.request_id] = (state, num_full, num_computed, time.monotonic())
+        return True
+
+    def finish(self, send_waits: dict[str, list[int]]) -> list:
+        """Stores of finished requests' blocks, as host slots free; a request done with (every block
+        planned, or no slot freed for ``timeout_s``) gets its wait in ``send_waits``."""
+        jobs, now = [], time.monotonic()
+        for req_id, (state, num_full, num_computed, since) in list(self._finishing.items()):
+            before = self._num_unstored(state, num_full, num_computed)
+            jobs += self.plan(state, num_computed)
+            left = self._num_unstored(state, num_full, num_computed)
+            if left < before:
+                since = now
+                self._finishing[req_id] = (state, num_full, num_computed, now)
+            if left and now - since < self.timeout_s:
+                continue
+            del self._finishing[req_id]
+            self.manager.stats.skipped_store_blocks += left
+            send_waits[req_id] = self.pending(state)
+        return jobs
+
+    def pending(self, state: RequestState) -> list[int]:
+        """The request's stores that have not yet been reported (they may still read its blocks)."""
+        return [job_id for job_id in state.store_job_ids if self.manager.is_pending(job_id)]
+
+    def on_completed(self, job_ids) -> None:
+        for job_id in job_ids:
+            req_id = self._owner.pop(job_id, None)
+            state = self.requests.get(req_id) if req_id is not None else None
+            if state is not None:
+                state.store_job_ids.discard(job_id)
+
+    @property
+    def num_finishing(self) -> int:
+        return len(self._finishing)
