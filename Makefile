@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m kvtier.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 	bash scripts/setup_vllm_releases.sh $(RELEASES)
 	bash scripts/smoke_vllm_releases.sh $(RELEASES)
 

@@ -33,6 +33,11 @@ class Lookups:
         self._promised: dict[str, int] = {}  # token -> host slots its lookup counted on
         self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
         self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
+        # Tokens whose load from a tier failed (a read that failed or timed out): their lookups ask no tier
+        # again, so vLLM recomputes what the host pool does not hold. Else a tier that answers for its
+        # entries but cannot serve them (a pool too slow to read) would have the request loaded, failed
+        # and rescheduled by vLLM for ever.
+        self._failed: set[str] = set()
 
     def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
         """Number of leading ``keys`` that some tier holds and that can be loaded now.
@@ -47,7 +52,7 @@ class Lookups:
         self._promised.pop(token, None)  # this lookup replaces the token's previous one
         local = self.host.lookup(keys)
         found: list[dict[bytes, bool]] = []
-        if local < len(keys):
+        if local < len(keys) and token not in self._failed:
             rest = keys[local:]
             answers = [tier.lookup(rest, token) for tier in self.tiers]  # every tier asked at once
             if any(answer is None for answer in answers):
@@ -125,7 +130,12 @@ class Lookups:
             return "pool_down_or_slow"
         return "never_stored"
 
+    def load_failed(self, token: str) -> None:
+        """The token's load from a tier failed: its later lookups count host hits only."""
+        self._failed.add(token)
+
     def forget(self, token: str) -> None:
         """Drop what the token's lookup remembered (a request that went away)."""
         self.take(token)
         self._slot_limited.discard(token)
+        self._failed.discard(token)

@@ -110,6 +110,11 @@ class TierManager:
         for tier in self.tiers:
             tier.forget(token)
 
+    def ask_again(self, token: str) -> None:
+        """The tiers' last answers for ``token`` are not reused: its next lookup asks them anew."""
+        for tier in self.tiers:
+            tier.forget(token)
+
     # --- loads --------------------------------------------------------------
     def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
                   layerwise: bool = False, found: list[dict[bytes, bool]] | None = None) -> LoadJob:
@@ -296,6 +301,7 @@ class TierManager:
             abandoned = any(r.held_slot_ids for r in reports)
             reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
             self.ledger.count_failed_load(job.req_id, reason, failed_reads)
+            self.lookups.load_failed(job.req_id)  # vLLM reschedules the request: it is not read from a tier again
             self.waves.failed(job.req_id, reason)  # the engine recomputes from here: later waves are not read
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)

@@ -2,9 +2,12 @@
 
 Each completion or chat request goes first to a prefill instance (kvtier
 ``kv_producer``) with ``max_tokens=1`` and one sequence (``n=1``, no ``best_of``),
-which returns once the prompt's blocks are durable in the pool, then, unchanged, to
-a decode instance (``kv_consumer``), which loads them; the decode instance's answer
-(streamed or not) is returned. Instances are used round-robin.
+which returns once the prompt's blocks are durable in the pool, then to a decode
+instance (``kv_consumer``), which loads them; the decode instance's answer (streamed or
+not) is returned. The request reaches decode unchanged but for prefill's
+``kv_transfer_params``: where prefill was still storing blocks when it answered (its
+host pool full), they say how many prompt tokens, and decode waits for them
+(``kvtier.integrations.vllm.handoffs``). Instances are used round-robin.
 ``kvtier proxy --prefill URL --decode URL``.
 
 What a client sees when something fails:
@@ -47,6 +50,18 @@ def _prefill_body(body: dict) -> dict:
     return prefill
 
 
+def _with_handoff(body: dict, prefill_answer: bytes) -> dict:
+    """The decode request, with the ``kv_transfer_params`` of prefill's answer (the prompt tokens it is
+    still storing, which decode waits for), unless the client sent its own."""
+    try:
+        params = json.loads(prefill_answer).get("kv_transfer_params")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return body
+    if not isinstance(params, dict) or "kv_transfer_params" in body:
+        return body
+    return {**body, "kv_transfer_params": params}
+
+
 def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600,
              max_body_bytes: int = 64 << 20) -> web.Application:
     prefill_cycle, decode_cycle = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
@@ -69,6 +84,7 @@ def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float =
         http = request.app["session"]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         prefill_url = next(prefill_cycle)
+        decode_body = body
         try:
             async with http.post(prefill_url + request.path, json=_prefill_body(body), headers=headers) as prefill:
                 answer = await prefill.read()
@@ -77,13 +93,15 @@ def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float =
                 if prefill.status != 200:
                     logger.warning("kvtier proxy: prefill %s answered %d; decode computes the prompt itself",
                                    prefill_url, prefill.status)
+                else:
+                    decode_body = _with_handoff(body, answer)
         except (ClientError, TimeoutError) as error:
             logger.warning("kvtier proxy: prefill %s failed (%r); decode computes the prompt itself",
                            prefill_url, error)
         decode_url = next(decode_cycle)
         response = None
         try:
-            async with http.post(decode_url + request.path, json=body, headers=headers) as decode:
+            async with http.post(decode_url + request.path, json=decode_body, headers=headers) as decode:
                 if not body.get("stream") or decode.status != 200:
                     return web.Response(status=decode.status, body=await decode.read(),
                                         content_type=decode.content_type)

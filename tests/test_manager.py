@@ -66,6 +66,26 @@ def test_staging_a_disk_hit_never_evicts_a_host_hit_of_the_same_wave(tmp_path):
     assert mgr.host.num_pins == 0
 
 
+def test_a_request_whose_load_from_a_tier_failed_is_not_read_from_a_tier_again(tmp_path):
+    """vLLM reschedules a request whose load failed and asks kvtier again: a tier that answers for
+    its entries but cannot serve them (a pool too slow to read) must not have the request loaded
+    and failed for ever. Its later lookups count host hits only; other requests still read the tier."""
+    mgr = manager(str(tmp_path), host_slots=2, disk_entries=10)
+    keys = chain(0, 4)
+    complete(mgr, mgr.plan_store("s", keys[:2], [0, 1]))
+    complete(mgr, mgr.plan_store("s", keys[2:], [2, 3]))  # the first two are on disk only now
+    assert mgr.lookup(keys, token="r") == 4
+    job = mgr.plan_load("r", keys[:2], [10, 11])
+    assert job.fill_keys == keys[:2]
+    complete(mgr, job, success=False)  # the reads failed, the entries themselves are not damaged
+    assert mgr.lookup(keys, token="r") == 0  # recomputed from here
+    assert mgr.lookup(keys, token="other") == 4
+    mgr.forget("other")  # its promise of host slots ends
+    mgr.forget("r")  # the request went away: its id means nothing any more
+    assert mgr.lookup(keys, token="r") == 4
+    assert mgr.host.num_pins == 0
+
+
 def test_a_wave_whose_blocks_left_the_disk_since_the_lookup_reports_them_missing(tmp_path):
     mgr = manager(str(tmp_path), host_slots=1, disk_entries=3)
     keys = chain(0, 3)

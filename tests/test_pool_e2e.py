@@ -3,8 +3,6 @@ processes, a real mooncake_master (with a storage node) and a real redis-server.
 
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -193,6 +191,58 @@ def _wait(path: Path, timeout: float = 300):
         time.sleep(0.05)
 
 
+def tokenized_model(workdir) -> str:
+    """A model with a tokenizer whose words are its tokens, for ``vllm serve`` (text prompts)."""
+    from kvtier.demo.model import make_model
+
+    return str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
+
+
+def pool_hit_tokens(server: str, timeout_s: float = 30) -> float:
+    """Prompt tokens a server loaded from tiers below its host pool, from its /metrics (which its stats
+    reach at the front end's next logging interval: waited for, up to ``timeout_s``)."""
+    from tests.e2e.servers import http_text
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hits = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(server + "/metrics").splitlines()
+                   if line.startswith("vllm:kvtier_hit_tokens_total") and 'tier="host"' not in line)
+        if hits or time.monotonic() > deadline:
+            return hits
+        time.sleep(1)
+
+
+def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answer(workdir, tmp_path):
+    """``vllm serve`` x2 and ``kvtier proxy`` on a Redis pool; prefill's host pool holds one block, so
+    of a prompt of 60 blocks it stores one before its answer and the rest after it, one a step. Its
+    answer says how many prompt tokens it stores (``kv_transfer_params``), the proxy hands that to
+    decode, and decode waits for them: it loads the whole prompt from the pool, with prefill's output."""
+    from kvtier.demo.model import words
+    from tests.e2e.servers import http_json, kvtier_proxy, vllm_server
+
+    model = tokenized_model(workdir)
+    tokens = prompt(97, 1900)
+    slot_bytes = 2 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
+    with local_redis(log_path=str(tmp_path / "redis.log")) as pool:
+        def config(role, **extra):
+            return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                    "kv_role": role, "kv_connector_extra_config": pool_extra(pool.url, **extra)}
+
+        with vllm_server(model, config("kv_producer", host_bytes=slot_bytes + 64), tmp_path / "prefill.log") as prefill, \
+                vllm_server(model, config("kv_consumer"), tmp_path / "decode.log") as decode, \
+                kvtier_proxy(prefill, decode, tmp_path / "proxy.log") as url:
+            request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
+            through_proxy = http_json(url + "/v1/completions", request)
+            remote_hits = pool_hit_tokens(decode)
+            handed = http_json(prefill + "/v1/completions", {**request, "prompt": words(prompt(96, 650)),
+                                                             "max_tokens": 1})
+            alone = http_json(prefill + "/v1/completions", request)
+    assert remote_hits == len(tokens)  # every prompt token, from the pool, though most came after the answer
+    assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
+    # Prefill alone, a prompt of its own: its answer names the tokens it is still storing.
+    assert handed["kv_transfer_params"] == {"kvtier_tokens": 650}
+
+
 def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_path):
     """``vllm serve`` x2 (producer, consumer, both with an API key) on a Redis pool, and ``kvtier
     proxy`` in front: the client's key reaches both, ``n=2`` and streams work, the decode
@@ -202,13 +252,11 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     import os
     import signal
     import urllib.error
-    import urllib.request
 
-    from kvtier.demo.model import make_model, words
-    from kvtier.servers import free_port
-    from tests.e2e.servers import http_json, http_text, vllm_server
+    from kvtier.demo.model import words
+    from tests.e2e.servers import http_json, kvtier_proxy, vllm_server
 
-    model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
+    model = tokenized_model(workdir)
     tokens = prompt(99, 650)
     auth = {"Authorization": "Bearer s3cret"}
     procs = []
@@ -221,20 +269,7 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                          procs=procs) as prefill, \
                 vllm_server(model, config("kv_consumer"), tmp_path / "decode.log", extra_args=("--api-key", "s3cret"),
                             procs=procs) as decode:
-            port = free_port()
-            proxy = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill,
-                                      "--decode", decode, "--port", str(port)], start_new_session=True,
-                                     stdout=open(tmp_path / "proxy.log", "w"), stderr=subprocess.STDOUT)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        urllib.request.urlopen(url + "/health", timeout=2)
-                        break
-                    except OSError:
-                        assert time.monotonic() < deadline, "the proxy did not start"
-                        time.sleep(0.5)
+            with kvtier_proxy(prefill, decode, tmp_path / "proxy.log") as url:
                 request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
                 through_proxy = http_json(url + "/v1/completions", request, headers=auth)
                 alone = http_json(prefill + "/v1/completions", request, headers=auth)  # one instance, all of it
@@ -245,13 +280,7 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                     unauthorized = error.code
                 two = http_json(url + "/v1/completions", {**request, "n": 2, "temperature": 0.8}, headers=auth)
                 streamed = _stream(url, {**request, "stream": True}, auth)
-                deadline = time.monotonic() + 30
-                while True:  # stats reach the front end at its next logging interval
-                    remote_hits = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(decode + "/metrics")
-                                      .splitlines() if line.startswith("vllm:kvtier_hit_tokens_total") and 'tier="host"' not in line)
-                    if remote_hits or time.monotonic() > deadline:
-                        break
-                    time.sleep(1)
+                remote_hits = pool_hit_tokens(decode)
                 os.killpg(procs[0].pid, signal.SIGKILL)  # prefill gone
                 procs[0].wait()
                 other = {**request, "prompt": words(prompt(98, 300))}
@@ -263,9 +292,6 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                     after_decode = None
                 except urllib.error.HTTPError as error:
                     after_decode = (error.code, json.loads(error.read())["error"]["type"])
-            finally:
-                os.killpg(proxy.pid, signal.SIGTERM)
-                proxy.wait(timeout=30)
     assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
     assert remote_hits == len(tokens)  # the decode instance loaded the whole prompt from the pool
     assert unauthorized == 401  # the proxy adds no key of its own: the client's is what counts

@@ -2,19 +2,14 @@
 nothing listens on, and servers that accept connections and never answer."""
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 
 from kvtier.servers import free_port
-from tests.e2e.apps import ROOT
+from tests.e2e.servers import kvtier_proxy as proxy
 
 
 class BlackHole:
@@ -37,28 +32,6 @@ class BlackHole:
         self.listener.close()
         for conn in self.accepted:
             conn.close()
-
-
-@contextmanager
-def proxy(prefill: str, decode: str, log_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill, "--decode", decode,
-                             "--port", str(port)], cwd=ROOT, start_new_session=True,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the proxy did not start"
-                time.sleep(0.2)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 def post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:

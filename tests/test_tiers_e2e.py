@@ -78,6 +78,31 @@ def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(wo
         assert second["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
 
 
+@pytest.mark.parametrize("layout,layerwise", [("in_process", False), ("multiprocess", False), ("in_process", True)],
+                         ids=["in_process", "multiprocess", "in_process-layerwise"])
+def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_whole(workdir, model, reference,
+                                                                                    layout, layerwise, tmp_path):
+    """The host pool holds 8 of the prompt's 25 blocks and the process exits right after the request's
+    one step. The blocks past the pool's free slots are stored at shutdown, as its writes free them:
+    with the engine core in a process of its own vLLM steps it while kvtier has work; in the
+    one-process layout nothing steps it any more, and kvtier's worker side plans them with the
+    scheduler side of its engine. In layer-wise mode the first blocks are stored layer by layer
+    during the forward, the rest whole. The next process is served every full block."""
+    slot_bytes = 3 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
+    disk = tmp_path / "disk"
+    spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": layout}
+    name = f"exit-small-pool-{layout}{'-layerwise' * layerwise}"
+    apps.run_app(workdir, f"{name}-a", {
+        **spec, "extra": {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk), "layerwise": layerwise},
+        "phases": [{"prompts": [PROMPT], "max_tokens": 1, "drain": False}]})
+    assert len(entries_in(disk)) == FULL_BLOCKS
+    second = apps.run_app(workdir, f"{name}-b", {
+        **spec, "extra": {"host_bytes": "64MiB", "disk_dir": str(disk)}, "phases": [{"prompts": [PROMPT]}]})
+    out = second["phases"][0]["outputs"]["0"]
+    assert out["cached"] == FULL_BLOCKS * BLOCK
+    assert out["tokens"] == reference
+
+
 @pytest.mark.parametrize("kind", ["file", "mooncake"])
 def test_requests_waiting_for_room_in_vllms_cache_ask_the_tier_once_each(workdir, model, kind, tmp_path):
     """vLLM's KV cache holds two of six prompts at a time; the others wait, and vLLM asks kvtier
@@ -289,7 +314,8 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     the first's oldest blocks, the first again (evicted from host), a third one twice (its full
     blocks hit, its partial block was never stored); a dead pool (down); two prompts on disk
     asked for at once through a 12-block host pool (the first takes every slot, so the second finds
-    none to stage its first block in; a hit that finds one loads in waves through it)."""
+    none to stage its first block in; a hit that finds one loads in waves through it); a request whose
+    producer said it stores the prompt, which never came (it waits ``load_timeout_s``, then recomputes)."""
     from kvtier.servers import free_port
 
     rng = random.Random(5)
@@ -306,6 +332,11 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
         **host, "disk_dir": str(tmp_path / "small-disk"), "disk_bytes": 12 * (49152 + 64)},
         "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
                    {"prompts": [a], "max_tokens": 1}]})
+    # A request handed over by a producer that never stores its blocks: it waits load_timeout_s for them.
+    late = apps.run_app(workdir, "misses-late", {**spec, "extra": {**host, "disk_dir": str(tmp_path / "late-disk"),
+                                                                   "load_timeout_s": 1.0},
+                                                 "phases": [{"prompts": [c], "max_tokens": 1,
+                                                             "kv_transfer_params": {"kvtier_tokens": len(c)}}]})
     staged = apps.run_app(workdir, "misses-slots", {**spec, "extra": {
         "host_bytes": 12 * 49152, "disk_dir": str(tmp_path / "disk")},
         "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
@@ -314,10 +345,12 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert misses == [{"never_stored": len(a)}, {"never_stored": len(b)}, {"evicted_host": len(a)},
                       {"never_stored": len(c)}, {"partial_block": 5}]
     assert down["phases"][0]["kvtier_delta"]["misses"] == {"pool_down_or_slow": len(a)}
+    assert late["phases"][0]["kvtier_delta"]["misses"] == {"producer_late": len(c)}
+    assert 1.0 <= late["phases"][0]["seconds"] < 30  # it waited, and no longer than its bound allows
     assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
     # a takes the 12 slots; b, behind it, finds none free for its first block: all of it is missed.
     assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b)}
-    for run in (first, down, evicted, staged):
+    for run in (first, down, evicted, late, staged):
         assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0
 
 

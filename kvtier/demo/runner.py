@@ -15,7 +15,8 @@ and ``append`` (a conversation's next turn); after phase i, ``OUT.json.phase<i>.
 is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
 (vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
 layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
-``"drain": false`` is not followed by extra engine steps; ``"idle_s"`` leaves the engine
+``"drain": false`` is not followed by extra engine steps; ``"kv_transfer_params"`` goes
+with each of a phase's requests (as ``kvtier proxy`` hands a prefill answer's on); ``"idle_s"`` leaves the engine
 idle (no step) that long after the phase's ``done`` file is written. Before the phases, a
 warm-up prompt of ``"warmup_tokens"`` (160) runs twice, unless ``"warmup": false``.
 """
@@ -152,6 +153,8 @@ def main(spec_path: str, out_path: str) -> None:
         if phase.get("wait_for"):  # another process (a test) prepares something between phases
             _wait_for_file(phase["wait_for"])
         params = _sampling(SamplingParams, phase.get("max_tokens", 6))
+        if phase.get("kv_transfer_params"):  # what a prefill instance's answer carries, as the proxy hands it on
+            params.extra_args = {"kv_transfer_params": phase["kv_transfer_params"]}
         if phase.get("follow_up"):
             earlier = phase["follow_up"]["phase"]
             completions = result["phases"][earlier]["outputs"]

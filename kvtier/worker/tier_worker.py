@@ -90,7 +90,7 @@ class TierWorker:
         self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
         self._progress.start()
         # An engine that is never shut down (an offline job that just ends) still flushes its writes.
-        atexit.register(_close_at_exit, weakref.ref(self))
+        at_exit(self, "close")
 
     def _make_copier(self, first: bool = True):
         """The device half, bound to the KV cache's addresses as they are now. Only the
@@ -156,10 +156,18 @@ class TierWorker:
         """Wait until a job finishes, at most ``timeout_s``, if a load is in flight and nothing has
         finished yet (an engine step with nothing to compute). The I/O process's answers are taken by
         the receiver thread meanwhile, each chunk copied as it lands."""
+        self._wait_for_a_report(timeout_s, loads_only=True)
+
+    def wait_for_a_job(self, timeout_s: float) -> None:
+        """Wait until a job finishes, at most ``timeout_s``, unless one has finished since the last
+        ``poll`` (a shutdown's drain, waiting for writes to free host slots; an idle step)."""
+        self._wait_for_a_report(timeout_s, loads_only=False)
+
+    def _wait_for_a_report(self, timeout_s: float, loads_only: bool) -> None:
         with self.book.lock:
-            if timeout_s <= 0 or not self.book.loads or self.book.has_finished:
+            if timeout_s <= 0 or (loads_only and not self.book.loads) or self.book.has_finished:
                 return
-            self.num_idle_waits += 1
+            self.num_idle_waits += loads_only
             if self.io is not None:
                 self.io.engine_waits(True)
             try:
@@ -213,12 +221,16 @@ class TierWorker:
             self.replicated.rebind(self.tensors)
         self.transfers.resume(self._make_copier(first=False))
 
-    def close(self) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, flush_s: float | None = None) -> None:
         """Finish what is under way: the device copies, then the writes queued in the I/O
-        process, for up to ``shutdown_flush_s``; what is left then is dropped and logged."""
+        process, for up to ``flush_s`` (``shutdown_flush_s``); what is left then is dropped and logged."""
         if self._closed:
             return
-        deadline = time.monotonic() + self.config.shutdown_flush_s
+        deadline = time.monotonic() + (self.config.shutdown_flush_s if flush_s is None else flush_s)
         self.transfers.close()  # waits for the copies; the progress thread hands their writes on
         while self.stores.copies_pending() and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -237,10 +249,16 @@ class TierWorker:
         self.memory.close()
 
 
-def _close_at_exit(worker_ref) -> None:
-    worker = worker_ref()
-    if worker is not None:
+def at_exit(obj, method: str) -> None:
+    """Call ``obj.<method>()`` when the interpreter exits, if ``obj`` is still alive then; a failure
+    is logged, never raised. Hooks run in the reverse order of registration."""
+    atexit.register(_call_at_exit, weakref.ref(obj), method)
+
+
+def _call_at_exit(ref, method: str) -> None:
+    obj = ref()
+    if obj is not None:
         try:
-            worker.close()
+            getattr(obj, method)()
         except Exception:  # at exit, a failure to flush is logged, never raised
             logger.exception("kvtier: flushing at exit failed")

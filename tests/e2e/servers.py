@@ -67,3 +67,28 @@ def vllm_server(model: str, kv_transfer_config: dict | None, log_path, port: int
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def kvtier_proxy(prefill: str, decode: str, log_path):
+    """``kvtier proxy`` in front of one prefill and one decode instance, a process of its own; yields its URL."""
+    from tests.e2e.apps import ROOT
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "proxy", "--prefill", prefill, "--decode", decode,
+                             "--port", str(port)], cwd=ROOT, start_new_session=True,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the proxy did not start"
+                time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

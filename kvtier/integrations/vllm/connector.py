@@ -14,6 +14,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.shutdown_drain import register_scheduler_side
 from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry
@@ -41,11 +42,13 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
             events_config = getattr(vllm_config, "kv_events_config", None)
             self._scheduler_side = SchedulerSide(self.kvtier_config, geometry, kv_role,
                                                  kv_events=bool(getattr(events_config, "enable_kv_cache_events", 0)))
+            register_scheduler_side(self._kv_transfer_config.engine_id, self._scheduler_side)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from kvtier.integrations.vllm.worker_side import WorkerSide
-            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role)
+            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role,
+                                           engine_id=self._kv_transfer_config.engine_id)
 
     # --- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

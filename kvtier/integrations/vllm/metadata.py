@@ -27,6 +27,9 @@ class KVTierMetadata(KVConnectorMetadata):
     send_waits: dict[str, list[int]] = field(default_factory=dict)
     # The step computes nothing (every request waits, for its KV or otherwise).
     idle: bool = False
+    # An idle step where requests wait for a producer's blocks (``handoffs``): the worker waits this long,
+    # or until a job finishes, rather than have the engine spin on the cores the pool's writers need.
+    idle_wait_s: float = 0.0
 
 
 @dataclass

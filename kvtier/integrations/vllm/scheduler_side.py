@@ -14,6 +14,8 @@ from collections import Counter
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
+from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsTracker
 from kvtier.integrations.vllm.namespace import EngineGeometry
@@ -30,6 +32,8 @@ class SchedulerSide:
         # Prefill/decode: the producer stores every prompt block, the partial one included;
         # the consumer only loads (the partial block too) and stores nothing.
         self.stores_enabled = kv_role != "kv_consumer"
+        self.is_producer = kv_role == "kv_producer"
+        self.handoffs = HandOffs(config.load_timeout_s)  # requests waiting for a producer's stores
         self.partial_blocks = config.store_partial_block or kv_role in ("kv_producer", "kv_consumer")
         self.config = config
         self.geometry = geometry
@@ -102,6 +106,12 @@ class SchedulerSide:
             return None, False  # the pool has not answered yet: vLLM asks again next step
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
+        if hit_tokens < self._handed_tokens(request):  # a producer is still storing this prompt: wait, bounded
+            wait, ask_again = self.handoffs.wait(request.request_id)
+            if wait:
+                if ask_again:
+                    self.manager.ask_again(request.request_id)
+                return None, False
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
         self._layerwise_loads.discard(request.request_id)
@@ -117,6 +127,12 @@ class SchedulerSide:
             self._layerwise_loads.add(request.request_id)
             return num_external, False
         return num_external, True
+
+    def _handed_tokens(self, request) -> int:
+        """The prompt tokens a producer said it stores, of those this instance loads (its full blocks
+        only, unless it loads partial blocks too)."""
+        tokens = handed_tokens(request)
+        return tokens if self.partial_blocks else tokens - tokens % self.block_size
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.state(request)
@@ -134,6 +150,8 @@ class SchedulerSide:
             first_missed = hit_tokens // self.block_size
             reason = (self.manager.miss_reason(full[first_missed], request.request_id)
                       if first_missed < len(full) else "partial_block")  # only the last, partial block
+            if reason in ("never_stored", "partial_block") and hit_tokens < self._handed_tokens(request):
+                reason = "producer_late"  # a producer said it stores them; it had not, when the wait ended
             self.manager.ledger.count(reason, missed - counted, request.all_token_ids, hit_tokens, state.extra_keys)
         if num_external_tokens == 0:
             return
@@ -172,13 +190,22 @@ class SchedulerSide:
                 continue
             store_jobs += self.stores.plan(state, state.request.num_computed_tokens + num_scheduled)
         finished_store_jobs = self.stores.finish(self._send_waits) if self.manager is not None else []
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        waiting = self.handoffs.waited_this_step()  # a request waits for a producer's blocks
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, finished_store_jobs,
-                              self._send_waits, idle=scheduler_output.total_num_scheduled_tokens == 0)
+                              self._send_waits, idle=idle, idle_wait_s=HANDOFF_IDLE_WAIT_S if idle and waiting else 0.0)
         self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
         return meta
 
+    def finishing_meta(self) -> KVTierMetadata:
+        """A step that schedules nothing: finished requests' stores as host slots free (``shutdown_drain``)."""
+        send_waits, self._send_waits = self._send_waits, {}
+        return KVTierMetadata(finished_store_jobs=self.stores.finish(send_waits), send_waits=send_waits, idle=True)
+
     def update_connector_output(self, connector_output) -> None:
-        meta = connector_output.kv_connector_worker_meta
+        self.on_worker_meta(connector_output.kv_connector_worker_meta)
+
+    def on_worker_meta(self, meta) -> None:
         if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
         self.manager.on_released(meta.released_slot_ids)
@@ -193,7 +220,7 @@ class SchedulerSide:
     @property
     def has_pending_work(self) -> bool:
         """Jobs not yet reported, or finished requests' blocks still to store: vLLM keeps stepping."""
-        return self.num_pending_jobs > 0 or (self.stores is not None and self.stores.num_finishing > 0)
+        return self.num_pending_jobs > 0 or self.num_finishing > 0
 
     @property
     def num_finishing(self) -> int:
@@ -218,9 +245,10 @@ class SchedulerSide:
         return (self._events.announce_journal(self.block_size)  # what the disk held at start, a batch a step
                 + self._events.events(self.manager.ledger.take_holdings(), self.block_size))
 
-    def request_finished(self, request, block_ids) -> tuple[bool, None]:
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         state = self.requests.pop(request.request_id)
         self._lookups.pop(request.request_id, None)
+        self.handoffs.forget(request.request_id)
         if self.manager is not None:
             self.manager.forget(request.request_id)
             self.manager.waves.drop(request.request_id)
@@ -229,7 +257,11 @@ class SchedulerSide:
         if self.stores_enabled and not self._unsupported(request) and self.stores.keep_finishing(request, state):
             # Blocks the host pool had no free slot for: stored at the next steps, as its slots free;
             # vLLM keeps them until then, and steps while it does (``has_pending_push_work``).
-            return True, None
+            # A producer's answer says how many prompt tokens it stores: the decode instance waits for them.
+            stored = min(request.num_computed_tokens, request.num_prompt_tokens)
+            if not self.partial_blocks:
+                stored -= stored % self.block_size
+            return True, ({PARAM: stored} if self.is_producer else None)
         pending = self.stores.pending(state)
         if not pending:
             return False, None

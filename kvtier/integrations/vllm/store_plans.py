@@ -103,3 +103,9 @@ class StorePlans:
     @property
     def num_finishing(self) -> int:
         return len(self._finishing)
+
+    @property
+    def num_unstored(self) -> int:
+        """Finished requests' blocks still to store."""
+        return sum(self._num_unstored(state, num_full, num_computed)
+                   for state, num_full, num_computed, _ in self._finishing.values())

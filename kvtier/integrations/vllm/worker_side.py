@@ -4,27 +4,33 @@ This runs in every vLLM worker. Jobs are submitted once each, by id, however oft
 vLLM calls in a step; the job -> request map lives across steps; completions come
 from ``TierWorker.poll``, which is thread-safe. Nothing here waits on storage,
 except ``handle_preemptions``, which waits for the device -> host copies that
-still read blocks vLLM is about to reuse.
+still read blocks vLLM is about to reuse, a step that computes nothing (a short,
+bounded wait for a job to finish rather than a busy loop), and ``shutdown``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.shutdown_drain import drain_finished_requests
 from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.worker import TierWorker
+from kvtier.worker.tier_worker import at_exit
 
 logger = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both"):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both",
+                 engine_id: str | None = None):
         self.config = config
+        self.engine_id = engine_id
         self.geometry = geometry
         self.tp_rank = tp_rank
         self.is_producer = role == "kv_producer"
@@ -39,6 +45,7 @@ class WorkerSide:
         self._load_owner: dict[int, str] = {}  # load job id -> request id, across steps
         self._send_waits: dict[str, list[int]] = {}
         self._idle_step = False  # this step computes nothing
+        self._idle_wait_s = 0.0  # ... and requests wait for a producer's blocks: wait this long
         self._reports = []
         self._load_error_block_ids: set[int] = set()
 
@@ -69,6 +76,9 @@ class WorkerSide:
                              f"{self.geometry.slot_bytes}")
         logger.info("kvtier: %s layout, %d layers, %d host slots of %d bytes", self.tier_worker.layout.kind,
                     len(tensors), self.tier_worker.num_slots, self.tier_worker.layout.slot_bytes)
+        # An offline job's engine may never be shut down: its last stores run at exit all the same
+        # (registered after the tier worker's own flush at exit, so run before it).
+        at_exit(self, "shutdown")
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode: the KV cache is about to be released. Copies in flight get up to
@@ -98,6 +108,7 @@ class WorkerSide:
         # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
         self._send_waits.update(meta.send_waits)
         self._idle_step = meta.idle
+        self._idle_wait_s = meta.idle_wait_s
         for job in self._new_jobs(meta.finished_store_jobs):  # their KV is in place: no forward to wait for
             self.tier_worker.submit_store(job)
         self._step_layer_loads, self._step_layer_blocks = [], set()
@@ -165,8 +176,12 @@ class WorkerSide:
         finished_recving: set[str] = set()
         if self._idle_step and self.tier_worker is not None:
             # Nothing to compute: the engine would step again at once, a busy loop on a core that
-            # kvtier's I/O process needs for the loads it waits for. It waits for one instead, bounded.
-            self.tier_worker.wait_for_a_load(self.config.idle_step_wait_s)
+            # kvtier's I/O process needs for the loads it waits for (or a producer, for the blocks that
+            # requests wait for here). It waits for one instead, bounded.
+            if self._idle_wait_s:
+                self.tier_worker.wait_for_a_job(self._idle_wait_s)
+            else:
+                self.tier_worker.wait_for_a_load(self.config.idle_step_wait_s)
         for report in self.tier_worker.poll() if self.tier_worker is not None else ():
             self._reports.append(report)
             self._submitted_job_ids.discard(report.job_id)
@@ -202,5 +217,15 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
-        if self.tier_worker is not None:
-            self.tier_worker.close()
+        """Stores of finished requests still unstored (one-process layout, ``shutdown_drain``), then the
+        writes under way: together within ``shutdown_flush_s``."""
+        if self.tier_worker is None or self.tier_worker.closed:
+            return
+        deadline = time.monotonic() + self.config.shutdown_flush_s
+        if self.tier_worker.io is not None and self.engine_id is not None:
+            try:
+                drain_finished_requests(self.engine_id, self, self.config.shutdown_flush_s)
+            except Exception:  # what is queued is still flushed below
+                logger.exception("kvtier: storing finished requests' blocks at shutdown failed")
+        self.tier_worker.close(max(0.0, deadline - time.monotonic()))
+

@@ -1,0 +1,62 @@
+"""Prefill/decode: the decode instance waits for the blocks the prefill instance is still storing.
+
+A producer (``kv_role`` ``kv_producer``) answers a prompt's first token once the step's
+stores are durable in the pool, but blocks that its host pool had no free slot for are
+stored at its next steps (``store_plans``), after that answer. For such a request its
+answer carries ``kv_transfer_params: {"kvtier_tokens": N}``, the prompt tokens it stores;
+``kvtier proxy`` hands it on with the request to the decode instance. There, while the
+tiers hold fewer of that request's tokens, its lookup answers "ask again" (vLLM keeps it
+waiting) and asks the tiers anew every ``ASK_EVERY_S``, for at most ``load_timeout_s``;
+then it loads what is there and vLLM computes the rest (the tokens that no tier holds
+are counted under the miss reason ``producer_late``).
+"""
+
+from __future__ import annotations
+
+import time
+
+PARAM = "kvtier_tokens"
+ASK_EVERY_S = 0.05  # how often a waiting request's blocks are asked of the tiers again
+# An engine step that computes nothing while requests wait here is followed at once by the next; each
+# such step waits this long in the worker instead (the producer may share the machine's cores).
+IDLE_WAIT_S = 0.01
+
+
+def handed_tokens(request) -> int:
+    """The prompt tokens a producer said it stores for this request (0: none said)."""
+    params = getattr(request, "kv_transfer_params", None)
+    value = params.get(PARAM) if isinstance(params, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return 0
+    return min(value, request.num_tokens)
+
+
+class HandOffs:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._waiting: dict[str, tuple[float, float]] = {}  # request -> (its first short lookup, last asked)
+        self._waited = False
+
+    def wait(self, req_id: str) -> tuple[bool, bool]:
+        """A lookup found fewer tokens than were handed over: (wait for them, ask the tiers anew).
+        Past ``timeout_s`` the request waits no more, however often it is looked up again."""
+        now = time.monotonic()
+        since, asked = self._waiting.setdefault(req_id, (now, now))
+        if now - since >= self.timeout_s:
+            return False, False
+        self._waited = True
+        if now - asked < ASK_EVERY_S:
+            return True, False
+        self._waiting[req_id] = (since, now)
+        return True, True
+
+    def waited_this_step(self) -> bool:
+        """Whether a request was told to wait since the last call."""
+        waited, self._waited = self._waited, False
+        return waited
+
+    def forget(self, req_id: str) -> None:
+        self._waiting.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
