@@ -263,18 +263,28 @@ def _fault_setup(case: str, tmp_path: Path, stack):
     from tests.e2e.relay import Relay  # "pool-slow": the load's replies held back, chunk by chunk
 
     server = stack.enter_context(local_redis(log_path=str(tmp_path / "redis.log")))
+    stored = {**base, "remote_url": server.url}
+    if case == "pool-slow-waves":
+        # Every read cut at remote_timeout_s, through a host pool of 8 blocks: the load goes in waves,
+        # vLLM reschedules the request when one fails, and asks kvtier about it again.
+        relay = Relay(("127.0.0.1", server.port), arm_on=ENTRY_GET, delay_s=0.5)
+        stack.callback(relay.close)
+        return stored, {**base, "remote_url": f"redis://127.0.0.1:{relay.port}/0", "remote_timeout_s": 2,
+                        "host_bytes": 8 * (49152 + 64)}
     relay = Relay(("127.0.0.1", server.port), arm_on=ENTRY_GET, delay_s=0.25)  # each chunk: ~4 s in all
     stack.callback(relay.close)
-    return ({**base, "remote_url": server.url},
-            {**base, "remote_url": f"redis://127.0.0.1:{relay.port}/0", "load_timeout_s": 1,
-             "remote_timeout_s": 5})
+    return stored, {**base, "remote_url": f"redis://127.0.0.1:{relay.port}/0", "load_timeout_s": 1,
+                    "remote_timeout_s": 5}
 
 
-@pytest.mark.parametrize("case", ["disk-full", "redis-full", "forged", "pool-slow"])
+@pytest.mark.parametrize("case", ["disk-full", "redis-full", "forged", "pool-slow", "pool-slow-waves"])
 def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, model, reference, case, tmp_path):
     """Real vLLM, one fault each: a full filesystem, a full Redis, entries planted by an
-    instance without the entry key, a pool that answers a load late. The second run's output
-    equals the run without a connector, the fault is counted, and pins end at zero."""
+    instance without the entry key, a pool that answers a load late, and one whose every read
+    is cut at its deadline, loaded in waves through a small host pool (vLLM reschedules the
+    request after a failed load: it is recomputed, not loaded and failed again for ever). The
+    second run's output equals the run without a connector, the fault is counted, and pins end
+    at zero."""
     import os
     from contextlib import ExitStack
 
@@ -288,7 +298,7 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
         # After the request, an idle while late reads end, then a step (a tiny request) that takes
         # their released slots: the state read at the end is the state at rest.
         second = apps.run_app(workdir, f"fault-{case}-b", {**spec, "extra": load, "phases": [
-            {"prompts": [PROMPT], "idle_s": 6}, {"prompts": [[5, 6, 7]], "max_tokens": 1}]})
+            {"prompts": [PROMPT], "idle_s": 6}, {"prompts": [[5, 6, 7]], "max_tokens": 1}]}, timeout=240)
     assert second["phases"][0]["outputs"]["0"]["tokens"] == reference
     for run in (first, second):
         assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0
@@ -304,9 +314,12 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
         assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
         assert second["phases"][0]["kvtier_delta"]["misses"] == {"damaged": FULL_BLOCKS * BLOCK}  # counted once
-    else:
+    elif case == "pool-slow":
         assert stats["abandoned_loads"] == 1 and stats["loaded_blocks"] == 0
         assert second["phases"][0]["kvtier_delta"]["misses"] == {"load_abandoned": FULL_BLOCKS * BLOCK}
+    else:  # one failed load, then the request is recomputed (the run's timeout stands for "for ever")
+        assert stats["failed_load_blocks"] > 0
+        assert second["phases"][0]["seconds"] < 60
 
 
 def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
