@@ -107,8 +107,7 @@ class TierManager:
         """Drop what a lookup remembered for ``token`` (a request that went away)."""
         self.lookups.forget(token)
         self.ledger.forget(token)
-        for tier in self.tiers:
-            tier.forget(token)
+        self.ask_again(token)
 
     def ask_again(self, token: str) -> None:
         """The tiers' last answers for ``token`` are not reused: its next lookup asks them anew."""

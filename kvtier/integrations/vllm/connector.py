@@ -14,10 +14,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.shutdown_drain import register_scheduler_side
 from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry
+from kvtier.integrations.vllm.shutdown_drain import register_scheduler_side
 
 
 class KVTierConnector(VllmCompat, KVConnectorBase_V1):

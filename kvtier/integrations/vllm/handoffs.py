@@ -57,6 +57,3 @@ class HandOffs:
 
     def forget(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
-
-    def __len__(self) -> int:
-        return len(self._waiting)
