@@ -51,7 +51,8 @@ def _bench_transfer_cuda(args) -> dict:
             rows += [(f"{case}: offload GB/s (vs memcpy D2H)", f"{r['offload_gbps']:.2f} ({r['offload_vs_memcpy']:.2f}x)"),
                      (f"{case}: load GB/s (vs memcpy H2D)", f"{r['load_gbps']:.2f} ({r['load_vs_memcpy']:.2f}x)"),
                      (f"{case}: both at once GB/s (vs both memcpys)", f"{r['both_gbps']:.2f} ({r['both_vs_memcpy']:.2f}x)")]
-        rows += [("memcpy D2H / H2D GB/s", f"{result['scattered']['memcpy_d2h_gbps']:.2f} / "
+        rows += [("host pool", f"{result['host_pool']}, {result['host_pool_huge_bytes'] >> 20} MiB on 2 MiB pages"),
+                 ("memcpy D2H / H2D GB/s", f"{result['scattered']['memcpy_d2h_gbps']:.2f} / "
                                              f"{result['scattered']['memcpy_h2d_gbps']:.2f}"),
                  ("round trip byte-exact", str(result["exact"])),
                  ("store submit, host us (median / p99)", f"{result['store_submit_us_median']:.0f} / "

@@ -7,6 +7,8 @@ the middle of it and see (or leave) the wrong bytes. With the copier's stream wa
 removed, they fail (see the README's CUDA section).
 """
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -366,3 +368,91 @@ def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir):
     engine.manager.on_reports(reports)
     assert reports[0].success and engine.manager.host.num_pins == 0
     engine.close()
+
+
+# --- the I/O process beside a CUDA worker -------------------------------------------------
+def test_the_host_pool_is_shared_memory_pinned_for_dma_and_a_store_reaches_disk_with_no_poll(disk_dir):
+    """The worker's host pool is the memfd its I/O process maps, registered with CUDA; a store's
+    device copy is found finished by kvtier's own thread and written with no engine step."""
+    from test_io_process import _entries, _wait_until
+    from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
+
+    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    engine = Engine(tensors, disk_dir, host_blocks=16)
+    assert engine.worker.host_buffer.is_pinned() and engine.worker.memory.fd >= 0
+    keys = keys_of(range(8))
+    job = engine.manager.plan_store("r", keys, list(range(1, 9)))
+    torch.cuda._sleep(LONG)  # the step's compute, still queued when the store is submitted
+    engine.worker.submit_store(job)  # nobody calls poll() below
+    assert _wait_until(lambda: all(_entries(disk_dir, engine.worker.rank_fingerprint, keys)), 5.0)
+    engine.run([], None, expect=1)  # the report, taken afterwards
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_the_io_process_killed_mid_load_on_cuda_gives_a_recompute_and_the_next_load_is_exact(disk_dir):
+    from test_io_process import _stop, _wait_until
+    from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
+
+    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    engine = Engine(tensors, disk_dir, host_blocks=4)
+    expected = [block_bytes(tensors, b) for b in (1, 2, 3, 4)]
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+    engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
+    old = engine.worker.io.pid
+    _stop(old)  # the read below is certainly in flight when the process dies
+    job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
+    assert len(job.fill_block_ids) == 4
+    engine.worker.submit_load(job)
+    time.sleep(0.1)
+    began = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    reports = engine.run([], None, expect=1)
+    assert time.monotonic() - began < 5  # no hang: the dead process's jobs fail at once
+    assert sorted(reports[0].failed_block_ids) == [20, 21, 22, 23] and not reports[0].success
+    assert engine.manager.host.num_pins == 0 and engine.manager.num_held == 0
+    assert engine.manager.tier("disk").num_pins == 0 and engine.manager.num_pending == 0
+    assert _wait_until(lambda: engine.worker.io.ready and engine.worker.io.pid != old, 30)
+    for t in tensors:
+        t[:, 20:24].zero_()
+    _, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])  # through the new process's mapping
+    assert report.success
+    torch.cuda.synchronize()
+    assert all(torch.equal(block_bytes(tensors, 20 + i), expected[i]) for i in range(4))
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_after_the_kv_cache_is_released_and_mapped_elsewhere_loads_go_to_the_new_memory(disk_dir):
+    """Sleep mode on CUDA: the worker's copies stop while the cache is released, then the
+    copier's device address tables are rebuilt for the cache at its new addresses."""
+    from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
+
+    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    engine = Engine(tensors, disk_dir, host_blocks=16)
+    expected = [block_bytes(tensors, b) for b in (1, 2, 3, 4)]
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])
+    engine.worker.suspend_device(timeout=30)
+    stale = [t.detach() for t in tensors]  # the old mapping
+    for t in tensors:
+        t.set_(torch.zeros_like(t))  # the cache comes back at other addresses
+    for s in stale:
+        s.zero_()
+    _, report = engine.load(keys_of(range(4)), [10, 11, 12, 13])  # while released: no copy, a recompute
+    assert not report.success and sorted(report.failed_block_ids) == [10, 11, 12, 13]
+    engine.worker.resume_device()
+    _, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])
+    assert report.success
+    torch.cuda.synchronize()
+    assert all(torch.equal(block_bytes(tensors, 20 + i), expected[i]) for i in range(4))
+    assert all(int(s.count_nonzero()) == 0 for s in stale)  # nothing went to the old mapping
+    engine.store(keys_of(range(50, 52)), [20, 21])  # stores read the new mapping
+    assert engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_concurrent_jobs_with_random_aborts_on_cuda_release_every_pin(disk_dir):
+    from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, run_with_random_aborts
+
+    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    run_with_random_aborts(Engine(tensors, disk_dir, host_blocks=12, disk_blocks=40), rounds=60, seed=1)

@@ -203,24 +203,26 @@ def test_concurrent_jobs_with_random_aborts_release_every_pin(disk_dir, chunks):
     """
     tensors = layouts()[0][1]
     randomize(tensors)
-    engine = Engine(tensors, disk_dir, host_blocks=12, disk_blocks=40)
-    rng = random.Random(0)
+    run_with_random_aborts(Engine(tensors, disk_dir, host_blocks=12, disk_blocks=40))
+
+
+def run_with_random_aborts(engine, rounds=30, seed=0):
+    """Rounds of stores and loads; in some the engine takes no reports (the requests were aborted);
+    then every pin and counter must come back to rest. Closes ``engine``."""
+    rng = random.Random(seed)
     pending_reports = 0
-    for round_ in range(30):
-        jobs = []
+    for round_ in range(rounds):
         for _ in range(rng.randint(1, 6)):
             prefix = rng.randint(0, 6)
             keys = keys_of(range(prefix * 10, prefix * 10 + rng.randint(1, 4)))
             blocks = rng.sample(range(NB), len(keys))
             if rng.random() < 0.5 and engine.manager.lookup(keys) == len(keys):
-                job = engine.manager.plan_load("r", keys, blocks)
-                engine.worker.submit_load(job)
+                engine.worker.submit_load(engine.manager.plan_load("r", keys, blocks))
             else:
                 job = engine.manager.plan_store("r", keys, blocks)
                 if job is None:
                     continue
                 engine.worker.submit_store(job)
-            jobs.append(job)
             pending_reports += 1
         if rng.random() < 0.3:
             continue  # "aborted" round: its jobs complete in a later poll

@@ -1,11 +1,13 @@
 """``kvtier bench transfer --device cuda``: the CUDA copier against plain copies.
 
 A FlashAttention-layout KV cache (per layer ``[2, num_blocks, block_size, kv_heads,
-head_size]``, bf16) on the GPU and a pinned host pool. kvtier's offload (device ->
-host slots) and load (host slots -> device) of ``gib`` GiB of blocks, scattered
+head_size]``, bf16) on the GPU and kvtier's own host pool: the shared memory (memfd) that
+its I/O process maps, registered with CUDA (``cudaHostRegister``), as the worker makes it.
+kvtier's offload (device -> host slots) and load (host slots -> device) of ``gib`` GiB of blocks, scattered
 (random device blocks, random slots) and in contiguous runs, are timed from submit
 to the job's completion on the host. The peer is one plain ``copy_`` of the same
-number of bytes between a pinned buffer and device memory (a ``cudaMemcpyAsync``),
+number of bytes between a buffer of CUDA's own pinned memory (``cudaHostAlloc``) and
+device memory (a ``cudaMemcpyAsync``),
 timed the same way, in the same run: each direction alone, and both directions at
 once beside kvtier's store and load at once. Every figure is the median of
 ``repeats`` runs.
@@ -27,7 +29,7 @@ import torch
 from kvtier.layout import detect_layout
 from kvtier.transfer.cuda import CudaCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
-from kvtier.transfer.host_buffer import allocate_host_buffer
+from kvtier.transfer.host_buffer import SharedHostMemory, allocate_host_buffer
 from kvtier.worker import tensor_info
 
 
@@ -49,8 +51,8 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
     for tensor in tensors:
         tensor.view(torch.int16).random_()
     layout = detect_layout([tensor_info(t) for t in tensors], num_blocks, block_size)
-    host = allocate_host_buffer(2 * num_moved, slot_bytes, pin=True)
-    copier = CudaCopier(layout, tensors, host, block_mover=block_mover)
+    memory = SharedHostMemory(2 * num_moved * slot_bytes, pin=True)  # the worker's host pool
+    copier = CudaCopier(layout, tensors, memory.tensor, block_mover=block_mover)
     engine = TransferEngine(copier)
     moved_bytes = num_moved * slot_bytes
     rng = np.random.default_rng(0)
@@ -70,7 +72,7 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
             assert len(results) == len(jobs) and all(r.success for r in results), results
         return _timed(go)
 
-    pinned = host.view(2, -1)[:, :moved_bytes]  # two pinned regions of the moved size
+    pinned = allocate_host_buffer(2, moved_bytes, pin=True).view(2, -1)  # the peer's: two pinned regions
     plain_device = torch.empty((2, moved_bytes), dtype=torch.uint8, device=device)
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
 
@@ -88,6 +90,7 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
 
     results: dict = {"bytes": moved_bytes, "blocks": num_moved, "slot_bytes": slot_bytes,
                      "layer_block_bytes": block_bytes, "device": torch.cuda.get_device_name(device),
+                     "host_pool": "memfd, cudaHostRegister", "host_pool_huge_bytes": memory.huge_bytes,
                      "mover": "triton" if copier._block_mover is not None else "torch ops"}
     for name, (store_ids, store_slots, load_ids, load_slots) in cases.items():
         samples: dict[str, list[float]] = {k: [] for k in ("offload", "load", "both", "d2h", "h2d", "plain_both")}
@@ -117,6 +120,7 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
     results["exact"] = _round_trip_is_exact(engine, tensors, *cases["scattered"])
     results.update(_step_cost(engine, tensors, num_blocks))
     engine.close()
+    memory.close()
     return results
 
 
