@@ -201,12 +201,12 @@ def tokenized_model(workdir) -> str:
 def pool_hit_tokens(server: str, timeout_s: float = 30) -> float:
     """Prompt tokens a server loaded from tiers below its host pool, from its /metrics (which its stats
     reach at the front end's next logging interval: waited for, up to ``timeout_s``)."""
-    from tests.e2e.servers import http_text
+    from tests.e2e.servers import kvtier_metrics
 
     deadline = time.monotonic() + timeout_s
     while True:
-        hits = sum(float(line.rsplit(" ", 1)[1]) for line in http_text(server + "/metrics").splitlines()
-                   if line.startswith("vllm:kvtier_hit_tokens_total") and 'tier="host"' not in line)
+        hits = sum(value for name, value in kvtier_metrics(server).items()
+                   if name.startswith("vllm:kvtier_hit_tokens_total|") and name != "vllm:kvtier_hit_tokens_total|host")
         if hits or time.monotonic() > deadline:
             return hits
         time.sleep(1)
@@ -218,7 +218,7 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
     answer says how many prompt tokens it stores (``kv_transfer_params``), the proxy hands that to
     decode, and decode waits for them: it loads the whole prompt from the pool, with prefill's output."""
     from kvtier.demo.model import words
-    from tests.e2e.servers import http_json, kvtier_proxy, vllm_server
+    from tests.e2e.servers import http_json, kvtier_metrics, kvtier_proxy, vllm_server
 
     model = tokenized_model(workdir)
     tokens = prompt(97, 1900)
@@ -234,10 +234,13 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
             request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
             through_proxy = http_json(url + "/v1/completions", request)
             remote_hits = pool_hit_tokens(decode)
+            metrics = kvtier_metrics(decode)
+            waits = [metrics.get("vllm:kvtier_handoff_waiting_requests"), metrics.get("vllm:kvtier_handoff_timeouts_total")]
             handed = http_json(prefill + "/v1/completions", {**request, "prompt": words(prompt(96, 650)),
                                                              "max_tokens": 1})
             alone = http_json(prefill + "/v1/completions", request)
     assert remote_hits == len(tokens)  # every prompt token, from the pool, though most came after the answer
+    assert waits == [0, 0]  # decode's /metrics: it waited no more once they were there, and never timed out
     assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
     # Prefill alone, a prompt of its own: its answer names the tokens it is still storing.
     assert handed["kv_transfer_params"] == {"kvtier_tokens": 650}

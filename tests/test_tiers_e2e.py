@@ -360,6 +360,7 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert down["phases"][0]["kvtier_delta"]["misses"] == {"pool_down_or_slow": len(a)}
     assert late["phases"][0]["kvtier_delta"]["misses"] == {"producer_late": len(c)}
     assert 1.0 <= late["phases"][0]["seconds"] < 30  # it waited, and no longer than its bound allows
+    assert late["kvtier"]["handoff_timeouts"] == 1 and late["kvtier"]["handoff_waiting"] == 0
     assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
     # a takes the 12 slots; b, behind it, finds none free for its first block: all of it is missed.
     assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b)}

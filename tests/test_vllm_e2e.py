@@ -153,7 +153,7 @@ def test_an_invalid_configuration_fails_at_start_up_naming_the_key(workdir, mode
 def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     """``vllm serve`` with kvtier (engine in its own process): hits show on /metrics."""
     from kvtier.demo.model import make_model, words
-    from tests.e2e.servers import http_json, http_text, vllm_server
+    from tests.e2e.servers import http_json, kvtier_metrics, vllm_server
 
     model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4))
     config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -166,7 +166,7 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         deadline = time.monotonic() + 30
         while True:  # stats reach the front end at its next logging interval
-            metrics = _prometheus_values(http_text(url + "/metrics"))
+            metrics = kvtier_metrics(url)
             if metrics.get("vllm:kvtier_hit_tokens_total|host", 0) > 0 or time.monotonic() > deadline:
                 break
             time.sleep(1)
@@ -174,17 +174,6 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     assert metrics["vllm:kvtier_store_bytes_total"] > 0 and metrics["vllm:kvtier_load_bytes_total"] > 0
     assert metrics["vllm:kvtier_miss_tokens_total"] >= 1000
     assert metrics["vllm:kvtier_host_slots"] > 0
-
-
-def _prometheus_values(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:kvtier_"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            if 'tier="' in line:  # per-tier metrics: one entry per tier
-                name += "|" + line.split('tier="')[1].split('"')[0]
-            values[name] = values.get(name, 0) + value
-    return values
 
 
 def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):

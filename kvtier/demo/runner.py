@@ -99,6 +99,8 @@ def kvtier_state(llm) -> dict:
         "pending_waves": scheduler.num_pending_waves,  # loads larger than the host pool, under way
         "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store
         "tracked_requests": scheduler.num_tracked_requests,
+        "handoff_waiting": scheduler.handoffs.num_waiting,  # requests waiting for a producer's blocks
+        "handoff_timeouts": scheduler.handoffs.num_timeouts,
         # vLLM's own: a finished request whose blocks kvtier never released stays here.
         "engine_requests": len(llm.llm_engine.engine_core.engine_core.scheduler.requests),
         "stats": {name: dict(value) if isinstance(value, dict) else value for name, value in vars(manager.stats).items()},

@@ -26,6 +26,19 @@ def http_text(url: str, timeout: float = 30) -> str:
         return response.read().decode()
 
 
+def kvtier_metrics(server: str) -> dict[str, float]:
+    """kvtier's values on a server's /metrics, summed over labels but ``tier``: per-tier ones are
+    keyed "<name>|<tier>"."""
+    values: dict[str, float] = {}
+    for line in http_text(server + "/metrics").splitlines():
+        if line.startswith("vllm:kvtier_"):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            if 'tier="' in line:
+                name += "|" + line.split('tier="')[1].split('"')[0]
+            values[name] = values.get(name, 0) + value
+    return values
+
+
 @contextlib.contextmanager
 def vllm_server(model: str, kv_transfer_config: dict | None, log_path, port: int | None = None,
                 extra_args: tuple[str, ...] = (), env: dict | None = None, startup_timeout: float = 300,

@@ -35,20 +35,36 @@ class HandOffs:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._waiting: dict[str, tuple[float, float]] = {}  # request -> (its first short lookup, last asked)
+        self._given_up: set[str] = set()  # waited ``timeout_s``: they wait no more
         self._waited = False
+        self.num_timeouts = 0  # requests that waited ``timeout_s`` and then computed what was missing
 
     def wait(self, req_id: str) -> tuple[bool, bool]:
         """A lookup found fewer tokens than were handed over: (wait for them, ask the tiers anew).
         Past ``timeout_s`` the request waits no more, however often it is looked up again."""
+        if req_id in self._given_up:
+            return False, False
         now = time.monotonic()
         since, asked = self._waiting.setdefault(req_id, (now, now))
         if now - since >= self.timeout_s:
+            del self._waiting[req_id]
+            self._given_up.add(req_id)
+            self.num_timeouts += 1
             return False, False
         self._waited = True
         if now - asked < ASK_EVERY_S:
             return True, False
         self._waiting[req_id] = (since, now)
         return True, True
+
+    def arrived(self, req_id: str) -> None:
+        """A lookup found every token handed over: the request waits no more."""
+        self._waiting.pop(req_id, None)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting now for a producer's blocks."""
+        return len(self._waiting)
 
     def waited_this_step(self) -> bool:
         """Whether a request was told to wait since the last call."""
@@ -57,3 +73,4 @@ class HandOffs:
 
     def forget(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
+        self._given_up.discard(req_id)

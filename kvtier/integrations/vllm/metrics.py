@@ -27,6 +27,8 @@ COUNTERS = {
     "failed_store_blocks": "Blocks whose store failed (the copy failed, or the engine reused them first)",
     "abandoned_loads": "Loads whose reads did not end within load_timeout_s (recomputed)",
     "abandoned_stores": "Stores whose tier writes went unanswered and were given up",
+    "handoff_timeouts": "Requests that waited load_timeout_s for blocks a prefill instance said it stores, "
+                        "then computed the rest",
 }
 TIER_COUNTERS = {
     "hit_tokens": "Prompt tokens loaded, by the tier they came from",
@@ -46,6 +48,7 @@ GAUGES = {
     "host_used_slots": "Host pool slots in use",
     "host_pinned_slots": "Host pool slots pinned by transfers in flight",
     "host_slots": "Host pool slots in all",
+    "handoff_waiting_requests": "Requests waiting for blocks that a prefill instance is still storing",
 }
 TIER_GAUGES = {
     "entries": "Entries a tier's index holds (tiers that keep a list)",
@@ -77,8 +80,8 @@ class KVTierStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return not any(value for name, value in self.data.items()
-                       if _base(name) in COUNTERS or _base(name) in TIER_COUNTERS or _base(name) in REASON_COUNTERS)
+        # ``StatsTracker.collect`` makes one only when a counter or a gauge changed: then it carries news.
+        return not self.data
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -113,8 +116,9 @@ class StatsTracker:
 
     def __init__(self):
         self._last: dict[str, float] = {}
+        self._last_gauges: dict[str, float] = {}
 
-    def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int) -> KVTierStats | None:
+    def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int, handoffs) -> KVTierStats | None:
         stats = manager.stats
         totals = {
             "miss_tokens": miss_tokens,
@@ -123,6 +127,7 @@ class StatsTracker:
             "failed_load_blocks": stats.failed_load_blocks, "bad_entries": stats.bad_entries,
             "skipped_store_blocks": stats.skipped_store_blocks, "failed_store_blocks": stats.failed_store_blocks,
             "abandoned_loads": stats.abandoned_loads, "abandoned_stores": stats.abandoned_stores,
+            "handoff_timeouts": handoffs.num_timeouts,
             "evictions|host": manager.host.num_evictions,
             **{f"hit_tokens|{tier}": tokens for tier, tokens in hit_tokens.items()},
             **{f"written_blocks|{tier}": n for tier, n in stats.written_blocks.items()},
@@ -133,11 +138,11 @@ class StatsTracker:
             **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.ledger.misses.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
-        if not any(deltas.values()):
-            return None
-        self._last = totals
         gauges = {"host_used_slots": manager.host.num_used, "host_pinned_slots": manager.host.num_pinned,
-                  "host_slots": manager.host.num_slots,
+                  "host_slots": manager.host.num_slots, "handoff_waiting_requests": handoffs.num_waiting,
                   **{f"entries|{tier.name}": tier.stats()["entries"] for tier in manager.tiers
                      if "entries" in tier.stats()}}
+        if not any(deltas.values()) and gauges == self._last_gauges:
+            return None
+        self._last, self._last_gauges = totals, gauges
         return KVTierStats(data={**deltas, **gauges})

@@ -112,6 +112,8 @@ class SchedulerSide:
                 if ask_again:
                     self.manager.ask_again(request.request_id)
                 return None, False
+        else:
+            self.handoffs.arrived(request.request_id)
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
         self._layerwise_loads.discard(request.request_id)
@@ -237,7 +239,7 @@ class SchedulerSide:
     def collect_stats(self):
         if self.manager is None:
             return None
-        return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens)
+        return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens, self.handoffs)
 
     def take_events(self) -> list:
         if self._events is None or self.manager is None:

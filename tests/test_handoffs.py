@@ -1,0 +1,42 @@
+"""The decode side's wait for a producer's blocks (``handoffs``) and what it shows on /metrics."""
+
+import time
+
+from kvtier.integrations.vllm.handoffs import ASK_EVERY_S, HandOffs
+from kvtier.integrations.vllm.metrics import KVTierStats, StatsTracker
+from tests.test_manager import manager
+
+
+def test_a_request_waits_until_its_blocks_arrive_or_the_bound_and_is_counted_as_it_goes():
+    handoffs = HandOffs(timeout_s=0.3)
+    # The lookup that found too few has just asked the tiers: not again yet.
+    assert handoffs.wait("a") == (True, False) and handoffs.wait("b") == (True, False)
+    assert handoffs.num_waiting == 2 and handoffs.waited_this_step() and not handoffs.waited_this_step()
+    time.sleep(ASK_EVERY_S)
+    assert handoffs.wait("a") == (True, True)
+    handoffs.arrived("a")  # its lookup found every handed token
+    assert handoffs.num_waiting == 1 and handoffs.num_timeouts == 0
+    time.sleep(0.3)
+    assert handoffs.wait("b") == (False, False)  # past the bound: it computes the rest
+    assert handoffs.num_waiting == 0 and handoffs.num_timeouts == 1
+    assert handoffs.wait("b") == (False, False) and handoffs.num_timeouts == 1  # counted once, waits no more
+    handoffs.forget("b")
+    assert handoffs.wait("b") == (True, False) and handoffs.num_waiting == 1  # a new request of that id waits afresh
+
+
+def test_waiting_requests_reach_the_stats_even_when_no_counter_moved(tmp_path):
+    mgr = manager(str(tmp_path), host_slots=4, disk_entries=8)
+    tracker, handoffs = StatsTracker(), HandOffs(timeout_s=0.2)
+    first = tracker.collect(mgr, {}, 0, handoffs)
+    assert first is not None and first.data["handoff_waiting_requests"] == 0  # the first gauges
+    assert tracker.collect(mgr, {}, 0, handoffs) is None  # nothing changed
+    handoffs.wait("r")
+    waiting = tracker.collect(mgr, {}, 0, handoffs)
+    assert waiting is not None and not waiting.is_empty() and waiting.data["handoff_waiting_requests"] == 1
+    time.sleep(0.2)
+    handoffs.wait("r")
+    timed_out = tracker.collect(mgr, {}, 0, handoffs)
+    assert timed_out.data["handoff_waiting_requests"] == 0 and timed_out.data["handoff_timeouts"] == 1
+    assert tracker.collect(mgr, {}, 0, handoffs) is None
+    assert KVTierStats(data={}).is_empty()
+    mgr.close()
