@@ -7,8 +7,6 @@ the middle of it and see (or leave) the wrong bytes. With the copier's stream wa
 removed, they fail (see the README's CUDA section).
 """
 
-import os
-import signal
 import time
 
 import numpy as np
@@ -391,28 +389,13 @@ def test_the_host_pool_is_shared_memory_pinned_for_dma_and_a_store_reaches_disk_
 
 
 def test_the_io_process_killed_mid_load_on_cuda_gives_a_recompute_and_the_next_load_is_exact(disk_dir):
-    from test_io_process import _stop, _wait_until
+    from test_io_process import kill_the_io_process_mid_load
     from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
 
     tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
     engine = Engine(tensors, disk_dir, host_blocks=4)
     expected = [block_bytes(tensors, b) for b in (1, 2, 3, 4)]
-    engine.store(keys_of(range(4)), [1, 2, 3, 4])
-    engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
-    old = engine.worker.io.pid
-    _stop(old)  # the read below is certainly in flight when the process dies
-    job = engine.manager.plan_load("r", keys_of(range(4)), [20, 21, 22, 23])
-    assert len(job.fill_block_ids) == 4
-    engine.worker.submit_load(job)
-    time.sleep(0.1)
-    began = time.monotonic()
-    os.kill(old, signal.SIGKILL)
-    reports = engine.run([], None, expect=1)
-    assert time.monotonic() - began < 5  # no hang: the dead process's jobs fail at once
-    assert sorted(reports[0].failed_block_ids) == [20, 21, 22, 23] and not reports[0].success
-    assert engine.manager.host.num_pins == 0 and engine.manager.num_held == 0
-    assert engine.manager.tier("disk").num_pins == 0 and engine.manager.num_pending == 0
-    assert _wait_until(lambda: engine.worker.io.ready and engine.worker.io.pid != old, 30)
+    kill_the_io_process_mid_load(engine)
     for t in tensors:
         t[:, 20:24].zero_()
     _, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])  # through the new process's mapping

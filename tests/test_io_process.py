@@ -83,10 +83,10 @@ def test_a_store_reaches_disk_with_no_poll_and_no_engine_step(disk_dir):
     engine.close()
 
 
-def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk_dir, caplog):
-    tensors = layouts()[0][1]
-    engine = Engine(tensors, disk_dir, host_blocks=4)
-    randomize(tensors)
+def kill_the_io_process_mid_load(engine) -> int:
+    """Store blocks 1-4 (then 5-8, which push them to disk only), start their load into 20-23 with
+    the I/O process stopped, and kill it: the load must fail at once, with every pin released.
+    Returns the dead process's pid."""
     engine.store(keys_of(range(4)), [1, 2, 3, 4])
     engine.store(keys_of(range(10, 14)), [5, 6, 7, 8])  # the first four are on disk only now
     old = engine.worker.io.pid
@@ -96,15 +96,23 @@ def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk
     engine.worker.submit_load(job)
     time.sleep(0.1)
     began = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="kvtier.io"):
-        os.kill(old, signal.SIGKILL)
-        reports = engine.run([], None, expect=1)
+    os.kill(old, signal.SIGKILL)
+    reports = engine.run([], None, expect=1)
     assert time.monotonic() - began < 5  # no hang: the dead process's jobs fail at once
     assert sorted(reports[0].failed_block_ids) == [20, 21, 22, 23] and not reports[0].success
     assert engine.manager.host.num_pins == 0 and engine.manager.num_held == 0
     assert engine.manager.tier("disk").num_pins == 0 and engine.manager.num_pending == 0
+    assert _wait_until(lambda: engine.worker.io.ready and engine.worker.io.pid != old, 30)
+    return old
+
+
+def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk_dir, caplog):
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=4)
+    randomize(tensors)
+    with caplog.at_level(logging.ERROR, logger="kvtier.io"):
+        kill_the_io_process_mid_load(engine)
     assert any("I/O process exited" in r.message for r in caplog.records)
-    assert _wait_until(lambda: engine.worker.io.ready, 30) and engine.worker.io.pid != old
     # The new process serves the same blocks: nothing was lost but the one load.
     for t in tensors:
         t[20:24].zero_()
