@@ -454,10 +454,14 @@ def test_a_read_is_taken_before_the_writes_queued_ahead_of_it(tmp_path):
                 all_in.release()
             return done
 
+        # All seven jobs are in the process's socket before it takes the first: the order they are run
+        # in is then its choice alone, not a race between its receiver and its first writes.
+        _stop(path.io.pid)
         for job in range(6):
             slots = list(range(1 + job * blocks, 1 + (job + 1) * blocks))
             path.io.submit(spec.name, True, keys_of(slots), slots, slots, time.monotonic() + 60, answered(job))
         path.io.submit(spec.name, False, keys_of([10_000]), [0], [0], time.monotonic() + 60, answered("read"))
+        os.kill(path.io.pid, signal.SIGCONT)
         for _ in range(7):
             assert all_in.acquire(timeout=60)
         assert all(reason is None for _, reasons in answers for reason in reasons)
