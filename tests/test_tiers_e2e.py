@@ -182,7 +182,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
         # Each answer held well past remote_timeout_s (2 s): no read beats the client's socket
         # timeout, so a lookup or load the relay touches after the kill fails, never trickles in.
         relay = Relay((host, int(port.split("/")[0])), arm_on=ENTRY_GET, delay_s=5.0)
-        marker = f"{workdir.name}/kill-{layout}-b"
+        marker = f"{workdir}/kill-{layout}-b"
         killed = []
 
         def kill_the_io_process_mid_load():
