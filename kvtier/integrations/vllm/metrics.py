@@ -120,6 +120,7 @@ class StatsTracker:
 
     def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int, handoffs) -> KVTierStats | None:
         stats = manager.stats
+        tier_stats = {tier.name: tier.stats() for tier in manager.tiers}
         totals = {
             "miss_tokens": miss_tokens,
             "load_bytes": stats.load_bytes, "load_seconds": stats.load_seconds,
@@ -132,16 +133,16 @@ class StatsTracker:
             **{f"hit_tokens|{tier}": tokens for tier, tokens in hit_tokens.items()},
             **{f"written_blocks|{tier}": n for tier, n in stats.written_blocks.items()},
             **{f"failed_writes|{tier}": n for tier, n in stats.failed_writes.items()},
-            **{f"evictions|{tier.name}": tier.stats()["evictions"] for tier in manager.tiers
-               if "evictions" in tier.stats()},
-            **{f"down|{tier.name}": tier.stats()["down"] for tier in manager.tiers if "down" in tier.stats()},
+            **{f"evictions|{name}": figures["evictions"] for name, figures in tier_stats.items()
+               if "evictions" in figures},
+            **{f"down|{name}": figures["down"] for name, figures in tier_stats.items() if "down" in figures},
             **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.ledger.misses.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         gauges = {"host_used_slots": manager.host.num_used, "host_pinned_slots": manager.host.num_pinned,
                   "host_slots": manager.host.num_slots, "handoff_waiting_requests": handoffs.num_waiting,
-                  **{f"entries|{tier.name}": tier.stats()["entries"] for tier in manager.tiers
-                     if "entries" in tier.stats()}}
+                  **{f"entries|{name}": figures["entries"] for name, figures in tier_stats.items()
+                     if "entries" in figures}}
         if not any(deltas.values()) and gauges == self._last_gauges:
             return None
         self._last, self._last_gauges = totals, gauges
