@@ -20,6 +20,7 @@ connector does, and how much longer the chain takes on the compute stream then.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -51,9 +52,19 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
     for tensor in tensors:
         tensor.view(torch.int16).random_()
     layout = detect_layout([tensor_info(t) for t in tensors], num_blocks, block_size)
-    memory = SharedHostMemory(2 * num_moved * slot_bytes, pin=True)  # the worker's host pool
-    copier = CudaCopier(layout, tensors, memory.tensor, block_mover=block_mover)
-    engine = TransferEngine(copier)
+    with contextlib.ExitStack() as cleanup:  # on every path: the engine stops, then the pool is unregistered
+        memory = SharedHostMemory(2 * num_moved * slot_bytes, pin=True)  # the worker's host pool
+        cleanup.callback(memory.close)
+        copier = CudaCopier(layout, tensors, memory.tensor, block_mover=block_mover)
+        engine = TransferEngine(copier)
+        cleanup.callback(engine.close)
+        return _measure(engine, copier, memory, tensors, num_blocks, num_moved, slot_bytes, block_bytes,
+                        repeats, progress)
+
+
+def _measure(engine, copier, memory, tensors, num_blocks: int, num_moved: int, slot_bytes: int, block_bytes: int,
+             repeats: int, progress) -> dict:
+    device = tensors[0].device
     moved_bytes = num_moved * slot_bytes
     rng = np.random.default_rng(0)
     shuffled = rng.permutation(num_blocks)
@@ -119,8 +130,6 @@ def run(gib: float = 4.0, num_layers: int = 32, block_size: int = 16, kv_heads: 
         results[name] = figures
     results["exact"] = _round_trip_is_exact(engine, tensors, *cases["scattered"])
     results.update(_step_cost(engine, tensors, num_blocks))
-    engine.close()
-    memory.close()
     return results
 
 
