@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvtier.ledger import Ledger
 from kvtier.tiers.base import TierIndex
@@ -33,11 +33,12 @@ class Lookups:
         self._promised: dict[str, int] = {}  # token -> host slots its lookup counted on
         self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
         self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
-        # Tokens whose load from a tier failed (a read that failed or timed out): their lookups ask no tier
-        # again, so vLLM recomputes what the host pool does not hold. Else a tier that answers for its
+        # Token -> the tiers whose load failed for it (a read that failed or timed out): its lookups ask
+        # them no more, so vLLM loads from the other tiers or recomputes. Else a tier that answers for its
         # entries but cannot serve them (a pool too slow to read) would have the request loaded, failed
-        # and rescheduled by vLLM for ever.
-        self._failed: set[str] = set()
+        # and rescheduled by vLLM for ever. Each failed load takes at least one tier out (all of them when
+        # it was the host pool's copy that failed), so a request fails at most len(tiers) + 1 loads.
+        self._failed: dict[str, set[str]] = {}
 
     def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
         """Number of leading ``keys`` that some tier holds and that can be loaded now.
@@ -52,9 +53,11 @@ class Lookups:
         self._promised.pop(token, None)  # this lookup replaces the token's previous one
         local = self.host.lookup(keys)
         found: list[dict[bytes, bool]] = []
-        if local < len(keys) and token not in self._failed:
+        failed = self._failed.get(token, ())
+        if local < len(keys) and len(failed) < len(self.tiers):
             rest = keys[local:]
-            answers = [tier.lookup(rest, token) for tier in self.tiers]  # every tier asked at once
+            # Every tier asked at once, but those the token's loads failed from (their entries count as misses).
+            answers = [[False] * len(rest) if tier.name in failed else tier.lookup(rest, token) for tier in self.tiers]
             if any(answer is None for answer in answers):
                 return None
             found = [dict(zip(rest, answer)) for answer in answers]
@@ -130,12 +133,21 @@ class Lookups:
             return "pool_down_or_slow"
         return "never_stored"
 
-    def load_failed(self, token: str) -> None:
-        """The token's load from a tier failed: its later lookups count host hits only."""
-        self._failed.add(token)
+    def can_arrive(self, token: str) -> bool:
+        """Whether blocks that another instance stores can still reach the token's lookups: some tier
+        that answers from the storage itself (a pool, a shared directory) answered its last lookup and
+        has not failed a load of it."""
+        failed = self._failed.get(token, ())
+        return any(tier.asks_the_tier and tier.name not in failed and not tier.silent(token) for tier in self.tiers)
+
+    def load_failed(self, token: str, tiers: Iterable[str]) -> None:
+        """The token's load failed from these tiers: its later lookups ask them no more. Where only
+        the host pool's copies failed (``tiers`` empty), they ask no tier: host hits only."""
+        tiers = set(tiers) or {tier.name for tier in self.tiers}
+        self._failed.setdefault(token, set()).update(tiers)
 
     def forget(self, token: str) -> None:
         """Drop what the token's lookup remembered (a request that went away)."""
         self.take(token)
         self._slot_limited.discard(token)
-        self._failed.discard(token)
+        self._failed.pop(token, None)

@@ -96,6 +96,9 @@ class TierManager:
     def miss_reason(self, key: bytes, token: str | None = None) -> str:
         return self.lookups.miss_reason(key, token)
 
+    def can_arrive(self, token: str) -> bool:
+        return self.lookups.can_arrive(token)
+
     def free_slots(self) -> int:
         return self.lookups.free_slots()
 
@@ -300,7 +303,9 @@ class TierManager:
             abandoned = any(r.held_slot_ids for r in reports)
             reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
             self.ledger.count_failed_load(job.req_id, reason, failed_reads)
-            self.lookups.load_failed(job.req_id)  # vLLM reschedules the request: it is not read from a tier again
+            # vLLM reschedules the request: it is not read again from the tiers it failed from.
+            self.lookups.load_failed(job.req_id, {source for block_id, source in zip(job.fill_block_ids, job.fill_from)
+                                                  if block_id in failed_blocks})
             self.waves.failed(job.req_id, reason)  # the engine recomputes from here: later waves are not read
         self.stats.loaded_blocks += job.num_blocks - len(failed_blocks)
         self.host.complete_load(job.ready_slot_ids)

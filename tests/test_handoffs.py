@@ -24,6 +24,17 @@ def test_a_request_waits_until_its_blocks_arrive_or_the_bound_and_is_counted_as_
     assert handoffs.wait("b") == (True, False) and handoffs.num_waiting == 1  # a new request of that id waits afresh
 
 
+def test_a_request_whose_blocks_cannot_come_waits_no_more_and_is_counted_once():
+    handoffs = HandOffs(timeout_s=30)
+    assert handoffs.wait("a") == (True, False)
+    assert handoffs.cut_short("a") == (False, False)  # the storage pool went down meanwhile
+    assert handoffs.num_waiting == 0 and handoffs.num_cut_short == 1 and handoffs.num_timeouts == 0
+    assert handoffs.wait("a") == (False, False)  # it waits no more, even if the pool is back
+    assert handoffs.cut_short("a") == (False, False) and handoffs.num_cut_short == 1
+    handoffs.forget("a")
+    assert handoffs.wait("a") == (True, False)
+
+
 def test_waiting_requests_reach_the_stats_even_when_no_counter_moved(tmp_path):
     mgr = manager(str(tmp_path), host_slots=4, disk_entries=8)
     tracker, handoffs = StatsTracker(), HandOffs(timeout_s=0.2)

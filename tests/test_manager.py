@@ -66,10 +66,11 @@ def test_staging_a_disk_hit_never_evicts_a_host_hit_of_the_same_wave(tmp_path):
     assert mgr.host.num_pins == 0
 
 
-def test_a_request_whose_load_from_a_tier_failed_is_not_read_from_a_tier_again(tmp_path):
+def test_a_request_whose_load_from_a_tier_failed_is_not_read_from_that_tier_again(tmp_path):
     """vLLM reschedules a request whose load failed and asks kvtier again: a tier that answers for
     its entries but cannot serve them (a pool too slow to read) must not have the request loaded
-    and failed for ever. Its later lookups count host hits only; other requests still read the tier."""
+    and failed for ever. Its later lookups skip that tier (here the only one: host hits only); other
+    requests still read it. ``test_shared_dir.py`` shows the next tier taking over."""
     mgr = manager(str(tmp_path), host_slots=2, disk_entries=10)
     keys = chain(0, 4)
     complete(mgr, mgr.plan_store("s", keys[:2], [0, 1]))

@@ -8,8 +8,9 @@ import torch
 
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.entry import HEADER_BYTES
+from kvtier.tiers.disk import entries_in
 from kvtier.tiers.entry_files import entry_path
-from tests.test_remote import Instance, answer_holding_the_gil, keys_of
+from tests.test_remote import BS, Instance, answer_holding_the_gil, keys_of
 
 
 @pytest.fixture
@@ -60,6 +61,8 @@ def test_a_damaged_shared_entry_is_a_miss_and_is_not_offered_again(shared):
     assert reader.lookup(keys_of([1, 2]), token="first") == 2
     report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
     assert report.failed_block_ids == [5] and report.bad_keys == keys_of([1])
+    # The request's load failed from the only shared tier: blocks a producer hands over cannot reach it.
+    assert not reader.manager.can_arrive("first") and reader.manager.can_arrive("again")
     assert reader.lookup(keys_of([1, 2]), token="again") == 0
     assert path.exists()  # a shared entry is never deleted by a reader: another instance may rewrite it
     writer.close()
@@ -188,3 +191,40 @@ def test_an_answer_stands_for_a_request_asked_again_at_once(shared):
     index.forget("r")
     assert index.lookup(keys, "r") is None and index.num_checks == 5
     index.close()
+
+
+def test_a_load_that_failed_from_the_disk_is_taken_again_from_the_shared_tier(shared, tmp_path):
+    """vLLM reschedules a request whose load failed and asks kvtier again: only the tier its load
+    failed from is skipped then, so the same blocks load from the next tier that holds them. A
+    request fails at most one load per tier (``test_manager.py`` shows the last one)."""
+    slot_bytes = 2 * BS * 16 * 2
+    inst = Instance(f"file://{shared}", host_bytes=3 * slot_bytes, disk_dir=str(tmp_path / "disk"),
+                    store_to="disk,remote")
+    keys = keys_of([1, 2, 3])
+    for first in (0, 3):  # the second three evict the first from the host pool
+        blocks = [first, first + 1, first + 2]
+        report = inst.run(inst.manager.plan_store("s", keys_of([b + 1 for b in blocks]), blocks), inst.worker.submit_store)
+        assert report.success and not report.failed_writes
+    assert inst.lookup(keys) == 3
+    job = inst.manager.plan_load("r", keys, [20, 21, 22])
+    assert job.fill_from == ["disk"] * 3
+    (path, offset, _, _, _), = [e for e in entries_in(tmp_path / "disk") if e[2] == keys[0]]
+    with open(path, "r+b") as f:
+        f.seek(offset + HEADER_BYTES + 5)
+        byte = f.read(1)
+        f.seek(offset + HEADER_BYTES + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    report = inst.run(job, inst.worker.submit_load)
+    assert not report.success and 20 in report.failed_block_ids
+    assert inst.lookup(keys) == 3  # the same request: the shared tier's copies, not the disk's
+    job = inst.manager.plan_load("r", keys, [20, 21, 22])
+    # Blocks 2 and 3 loaded the first time and stayed in the host pool; block 1 is read from the shared
+    # tier (its damaged disk entry was dropped, and the request reads the disk no more).
+    assert job.ready_keys == keys[1:] and job.fill_keys == keys[:1] and job.fill_from == ["file"]
+    assert inst.run(job, inst.worker.submit_load).success
+    assert inst.manager.can_arrive("r")  # the shared tier still serves the request: a producer's blocks may come
+    for tensor in inst.tensors:
+        assert torch.equal(tensor[[0, 1, 2]].view(torch.int16), tensor[[20, 21, 22]].view(torch.int16))
+    assert inst.manager.host.num_pins == 0
+    inst.manager.forget("r")
+    inst.close()

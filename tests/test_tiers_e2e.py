@@ -325,10 +325,12 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
 def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     """Real vLLM. A 16-block host pool: a new prompt (never stored), a second one that evicts
     the first's oldest blocks, the first again (evicted from host), a third one twice (its full
-    blocks hit, its partial block was never stored); a dead pool (down); two prompts on disk
+    blocks hit, its partial block was never stored); a dead pool (down), and a request handed over
+    through it (it does not wait for blocks that cannot come); two prompts on disk
     asked for at once through a 12-block host pool (the first takes every slot, so the second finds
     none to stage its first block in; a hit that finds one loads in waves through it); a request whose
-    producer said it stores the prompt, which never came (it waits ``load_timeout_s``, then recomputes)."""
+    producer said it stores the prompt in a shared directory, which never came (it waits
+    ``load_timeout_s``, then recomputes)."""
     from kvtier.servers import free_port
 
     rng = random.Random(5)
@@ -338,15 +340,18 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     first = apps.run_app(workdir, "misses-host", {**spec, "extra": host, "phases": [
         {"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1}, {"prompts": [a], "max_tokens": 1},
         {"prompts": [c], "max_tokens": 1}, {"prompts": [c], "max_tokens": 1}]})
+    # Handed over by a producer too: through a pool that is down its blocks cannot come, so it does not wait.
     down = apps.run_app(workdir, "misses-down", {**spec, "extra": {
-        **host, "remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.5},
-        "phases": [{"prompts": [a], "max_tokens": 1}]})
+        **host, "remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.5, "load_timeout_s": 30.0},
+        "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1,
+                                                        "kv_transfer_params": {"kvtier_tokens": len(b)}}]})
     evicted = apps.run_app(workdir, "misses-disk", {**spec, "extra": {  # a disk of 12 blocks, b evicts a
         **host, "disk_dir": str(tmp_path / "small-disk"), "disk_bytes": 12 * (49152 + 64)},
         "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
                    {"prompts": [a], "max_tokens": 1}]})
-    # A request handed over by a producer that never stores its blocks: it waits load_timeout_s for them.
-    late = apps.run_app(workdir, "misses-late", {**spec, "extra": {**host, "disk_dir": str(tmp_path / "late-disk"),
+    # A request handed over by a producer that never stores its blocks in the shared directory: it waits
+    # load_timeout_s for them.
+    late = apps.run_app(workdir, "misses-late", {**spec, "extra": {**host, "remote_url": f"file://{tmp_path / 'late'}",
                                                                    "load_timeout_s": 1.0},
                                                  "phases": [{"prompts": [c], "max_tokens": 1,
                                                              "kv_transfer_params": {"kvtier_tokens": len(c)}}]})
@@ -357,10 +362,14 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     misses = [phase["kvtier_delta"]["misses"] for phase in first["phases"]]
     assert misses == [{"never_stored": len(a)}, {"never_stored": len(b)}, {"evicted_host": len(a)},
                       {"never_stored": len(c)}, {"partial_block": 5}]
-    assert down["phases"][0]["kvtier_delta"]["misses"] == {"pool_down_or_slow": len(a)}
+    assert [phase["kvtier_delta"]["misses"] for phase in down["phases"]] == [{"pool_down_or_slow": len(a)},
+                                                                              {"pool_down_or_slow": len(b)}]
+    assert down["phases"][1]["seconds"] < 30  # it did not wait its load_timeout_s
+    assert down["kvtier"]["handoff_cut_short"] == 1 and down["kvtier"]["handoff_timeouts"] == 0
     assert late["phases"][0]["kvtier_delta"]["misses"] == {"producer_late": len(c)}
     assert 1.0 <= late["phases"][0]["seconds"] < 30  # it waited, and no longer than its bound allows
     assert late["kvtier"]["handoff_timeouts"] == 1 and late["kvtier"]["handoff_waiting"] == 0
+    assert late["kvtier"]["handoff_cut_short"] == 0
     assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
     # a takes the 12 slots; b, behind it, finds none free for its first block: all of it is missed.
     assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b)}

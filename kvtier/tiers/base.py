@@ -120,6 +120,10 @@ class TierIndex(ABC):
     def forget(self, token: str) -> None:
         """A request went away, or a plan used its lookup: drop what its lookups remembered."""
 
+    def silent(self, token: str) -> bool:
+        """The tier could not answer ``token``'s last lookup (down, or past its timeout)."""
+        return False
+
     def stats(self) -> dict[str, int]:
         return {}
 
@@ -210,7 +214,8 @@ class ExistenceIndex(TierIndex):
         self._max_pending = max_pending
         self.num_overdue = 0
         self.num_refused = 0
-        self._unanswered: set[str] = set()  # tokens whose last lookup the tier did not answer (down, slow)
+        self._unanswered: set[str] = set()  # tokens whose last lookup the tier did not answer (down, slow, busy)
+        self._silent: set[str] = set()  # of those, the ones it could not answer (down, or past ``timeout_s``)
         self._failed_ttl_s = failed_ttl_s
         self._pending: dict[str, tuple[tuple[bytes, ...], float, Any]] = {}
         self._failed: dict[bytes, float] = {}  # key -> until when it is a miss
@@ -250,13 +255,15 @@ class ExistenceIndex(TierIndex):
             del self._pending[token]
             self.num_overdue += 1
             self._unanswered.add(token)
+            self._silent.add(token)
             return [False] * len(keys)
         del self._pending[token]
         try:
             found = check.result()
         except Exception:  # a failed existence check is a miss; the tier's own breaker logs it
             found = None
-        (self._unanswered.add if found is None else self._unanswered.discard)(token)
+        for tokens in (self._unanswered, self._silent):
+            (tokens.add if found is None else tokens.discard)(token)
         if len(self._answered) >= 4 * self._max_pending:  # tokens that never came back (forget() drops the rest)
             now = time.monotonic()
             self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.ANSWER_REUSE_S}
@@ -294,10 +301,14 @@ class ExistenceIndex(TierIndex):
         """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
         return token in self._unanswered
 
+    def silent(self, token: str) -> bool:
+        return token in self._silent
+
     def forget(self, token):
         self._pending.pop(token, None)
         self._answered.pop(token, None)
         self._unanswered.discard(token)
+        self._silent.discard(token)
 
     def close(self):
         self._pending.clear()

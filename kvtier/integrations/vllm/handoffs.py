@@ -8,7 +8,8 @@ answer carries ``kv_transfer_params: {"kvtier_tokens": N}``, the prompt tokens i
 tiers hold fewer of that request's tokens, its lookup answers "ask again" (vLLM keeps it
 waiting) and asks the tiers anew every ``ASK_EVERY_S``, for at most ``load_timeout_s``;
 then it loads what is there and vLLM computes the rest (the tokens that no tier holds
-are counted under the miss reason ``producer_late``).
+are counted under the miss reason ``producer_late``). Where the blocks cannot come (the
+storage pool is down, or the request's load from it failed), it does not wait at all.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class HandOffs:
         self._given_up: set[str] = set()  # waited ``timeout_s``: they wait no more
         self._waited = False
         self.num_timeouts = 0  # requests that waited ``timeout_s`` and then computed what was missing
+        self.num_cut_short = 0  # requests that stopped waiting because their blocks could not come
 
     def wait(self, req_id: str) -> tuple[bool, bool]:
         """A lookup found fewer tokens than were handed over: (wait for them, ask the tiers anew).
@@ -56,6 +58,15 @@ class HandOffs:
             return True, False
         self._waiting[req_id] = (since, now)
         return True, True
+
+    def cut_short(self, req_id: str) -> tuple[bool, bool]:
+        """The handed blocks cannot come now (the storage pool is down, or the request's load from it
+        failed): the request waits no more."""
+        if req_id not in self._given_up:
+            self._waiting.pop(req_id, None)
+            self._given_up.add(req_id)
+            self.num_cut_short += 1
+        return False, False
 
     def arrived(self, req_id: str) -> None:
         """A lookup found every token handed over: the request waits no more."""

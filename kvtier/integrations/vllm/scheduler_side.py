@@ -107,7 +107,9 @@ class SchedulerSide:
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         if hit_tokens < self._handed_tokens(request):  # a producer is still storing this prompt: wait, bounded
-            wait, ask_again = self.handoffs.wait(request.request_id)
+            # No wait where its blocks cannot come: the storage pool is down, or this request's load failed from it.
+            wait, ask_again = (self.handoffs.wait(request.request_id) if self.manager.can_arrive(request.request_id)
+                               else self.handoffs.cut_short(request.request_id))
             if wait:
                 if ask_again:
                     self.manager.ask_again(request.request_id)
