@@ -254,6 +254,9 @@ def _fault_setup(case: str, tmp_path: Path, stack):
                                                  policy="noeviction"))
         extra = {**base, "remote_url": server.url}
         return extra, extra
+    if case == "disk-damaged":  # every disk entry damaged between the runs; the shared directory holds them too
+        extra = {**base, "disk_dir": str(tmp_path / "disk"), "remote_url": f"file://{tmp_path / 'shared'}"}
+        return extra, extra
     if case == "forged":  # entries written without the key, read by an instance that has it
         key = tmp_path / "entry.key"
         key.write_bytes(os.urandom(32))
@@ -277,12 +280,29 @@ def _fault_setup(case: str, tmp_path: Path, stack):
                     "remote_timeout_s": 5}
 
 
-@pytest.mark.parametrize("case", ["disk-full", "redis-full", "forged", "pool-slow", "pool-slow-waves"])
+def _damage_every_entry(disk_dir: Path) -> None:
+    from kvtier.entry import HEADER_BYTES
+    from kvtier.tiers.disk import entries_in
+
+    entries = entries_in(disk_dir)
+    assert len(entries) >= FULL_BLOCKS
+    for path, offset, _, payload_bytes, _ in entries:
+        with open(path, "r+b") as file:
+            at = offset + HEADER_BYTES + payload_bytes // 2
+            file.seek(at)
+            byte = file.read(1)[0]
+            file.seek(at)
+            file.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize("case", ["disk-full", "redis-full", "disk-damaged", "forged", "pool-slow",
+                                  "pool-slow-waves"])
 def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, model, reference, case, tmp_path):
-    """Real vLLM, one fault each: a full filesystem, a full Redis, entries planted by an
-    instance without the entry key, a pool that answers a load late, and one whose every read
-    is cut at its deadline, loaded in waves through a small host pool (vLLM reschedules the
-    request after a failed load: it is recomputed, not loaded and failed again for ever). The
+    """Real vLLM, one fault each: a full filesystem, a full Redis, damaged disk entries that a
+    shared directory holds too (vLLM reschedules the request after the failed load, and it is
+    loaded from the directory), entries planted by an instance without the entry key, a pool
+    that answers a load late, and one whose every read is cut at its deadline, loaded in waves
+    through a small host pool (it is recomputed, not loaded and failed again for ever). The
     second run's output equals the run without a connector, the fault is counted, and pins end
     at zero."""
     import os
@@ -295,6 +315,8 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
         spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": "in_process"}
         first = apps.run_app(workdir, f"fault-{case}-a", {**spec, "extra": store, "phases": [
             {"prompts": [PROMPT], "max_tokens": 1}]})
+        if case == "disk-damaged":
+            _damage_every_entry(tmp_path / "disk")
         # After the request, an idle while late reads end, then a step (a tiny request) that takes
         # their released slots: the state read at the end is the state at rest.
         second = apps.run_app(workdir, f"fault-{case}-b", {**spec, "extra": load, "phases": [
@@ -310,6 +332,9 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
     elif case == "redis-full":
         assert 0 < first["kvtier"]["stats"]["failed_writes"]["redis"] < FULL_BLOCKS
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] > 0  # the pool stayed up for reads
+    elif case == "disk-damaged":  # the first failed load takes the disk out for this request, not every tier
+        assert stats["bad_entries"] > 0 and stats["failed_load_blocks"] > 0
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_file"] == FULL_BLOCKS * BLOCK
     elif case == "forged":
         assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
