@@ -129,7 +129,7 @@ class Lookups:
         gone = self.ledger.gone(key)
         if gone is not None and not self.host.contains(key):
             return gone
-        if token is not None and any(getattr(tier, "unanswered", lambda t: False)(token) for tier in self.tiers):
+        if token is not None and any(tier.unanswered(token) for tier in self.tiers):
             return "pool_down_or_slow"
         return "never_stored"
 

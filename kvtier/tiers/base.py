@@ -120,8 +120,12 @@ class TierIndex(ABC):
     def forget(self, token: str) -> None:
         """A request went away, or a plan used its lookup: drop what its lookups remembered."""
 
+    def unanswered(self, token: str) -> bool:
+        """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
+        return False
+
     def silent(self, token: str) -> bool:
-        """The tier could not answer ``token``'s last lookup (down, or past its timeout)."""
+        """The tier could not answer ``token``'s last lookup (down, or past its timeout); busy is not silent."""
         return False
 
     def stats(self) -> dict[str, int]:
@@ -298,7 +302,6 @@ class ExistenceIndex(TierIndex):
             self._failed = {k: t for k, t in self._failed.items() if t > now}
 
     def unanswered(self, token: str) -> bool:
-        """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
         return token in self._unanswered
 
     def silent(self, token: str) -> bool:
