@@ -16,6 +16,7 @@ from typing import Sequence
 
 
 class Ledger:
+    MAX_UNSETTLED = 4096  # requests whose failed loads wait to be counted; past it the oldest are counted
     def __init__(self, indexes: Sequence, block_tokens: int, track_holdings: bool = False):
         self.holdings: list = []  # the same list object in every index, which appends to it
         for index in indexes:
@@ -25,7 +26,9 @@ class Ledger:
         self.max_gone = 200_000
         self.misses: Counter = Counter()  # reason -> prompt tokens missed for it (the first missed block's)
         self.block_tokens = block_tokens  # tokens per block (the engine's), for misses counted in blocks
-        self.load_misses: dict[str, int] = {}  # req_id -> tokens counted as missed when its load failed
+        # req_id -> reason -> tokens its failed loads did not deliver, counted when the request is looked up
+        # again (``settle``: what another tier then delivers was no miss) or goes away (``forget``).
+        self.load_misses: dict[str, Counter] = {}
         self.probe = None  # a ForeignProbe, where the scheduler has one
 
     def count(self, reason: str, tokens: int, token_ids=None, token: int = 0, extra_keys=()) -> None:
@@ -37,11 +40,22 @@ class Ledger:
         self.misses[reason] += tokens
 
     def count_failed_load(self, req_id: str, reason: str, num_blocks: int) -> None:
-        """Blocks a load planned and then did not deliver (the engine recomputes them)."""
-        tokens = num_blocks * self.block_tokens
-        self.misses[reason] += tokens
-        # The engine looks the request up again to recompute: those tokens are counted already.
-        self.load_misses[req_id] = self.load_misses.get(req_id, 0) + tokens
+        """Blocks a load planned and then did not deliver: the engine looks the request up again, and
+        loads them from another tier or recomputes them."""
+        self.load_misses.setdefault(req_id, Counter())[reason] += num_blocks * self.block_tokens
+        if len(self.load_misses) > self.MAX_UNSETTLED:  # a request that went away before its load ended
+            self.misses.update(self.load_misses.pop(next(iter(self.load_misses))))
+
+    def settle(self, req_id: str, missed: int) -> int:
+        """The request, looked up again after a failed load, misses ``missed`` tokens: as many of its
+        failed loads' tokens count as misses, under their reasons (the rest came from another tier).
+        Returns the tokens counted."""
+        counted = 0
+        for reason, tokens in self.load_misses.pop(req_id, Counter()).items():
+            take = min(tokens, missed - counted)
+            self.misses[reason] += take
+            counted += take
+        return counted
 
     def gone(self, key: bytes) -> str | None:
         """Why ``key``, once loadable, is not any more (None: nothing known)."""
@@ -74,7 +88,8 @@ class Ledger:
         self.holdings.clear()  # the same list object: every index appends to it
 
     def forget(self, req_id: str) -> None:
-        self.load_misses.pop(req_id, None)
+        """The request went away: what its failed loads did not deliver was recomputed (or never needed)."""
+        self.misses.update(self.load_misses.pop(req_id, Counter()))
 
     def close(self) -> None:
         if self.probe is not None:

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.config import KVTierConfig
 from kvtier.entry import HEADER_BYTES
+from kvtier.ledger import Ledger
 from kvtier.manager import TierManager
 from kvtier.plans import JobReport, LoadJob
 
@@ -278,3 +279,17 @@ class PromiseMachine(RuleBasedStateMachine):
 
 TestPromiseMachine = PromiseMachine.TestCase
 TestPromiseMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_a_failed_load_counts_as_a_miss_only_what_no_other_tier_delivers():
+    """The blocks a load failed to deliver are counted when the request is looked up again, up to
+    what that lookup misses (another tier may hold them), or in full when the request goes away."""
+    ledger = Ledger([], block_tokens=16)
+    ledger.count_failed_load("a", "damaged", 3)
+    assert not ledger.misses  # not yet: vLLM looks the request up again first
+    assert ledger.settle("a", 16) == 16  # another tier delivered two of the three blocks
+    assert ledger.misses == {"damaged": 16}
+    assert ledger.settle("a", 16) == 0  # counted once
+    ledger.count_failed_load("b", "load_abandoned", 2)
+    ledger.forget("b")  # it went away before its next lookup: both blocks were recomputed, or never needed
+    assert ledger.misses == {"damaged": 16, "load_abandoned": 32} and not ledger.load_misses

@@ -335,6 +335,7 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
     elif case == "disk-damaged":  # the first failed load takes the disk out for this request, not every tier
         assert stats["bad_entries"] > 0 and stats["failed_load_blocks"] > 0
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_file"] == FULL_BLOCKS * BLOCK
+        assert second["phases"][0]["kvtier_delta"]["misses"] == {}  # the directory delivered them: no miss
     elif case == "forged":
         assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded

@@ -147,8 +147,9 @@ class SchedulerSide:
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
         missed = request.num_tokens - hit_tokens
         self.miss_tokens += missed
-        # A lookup after a failed load (vLLM recomputes) is not counted twice under a reason.
-        counted = self.manager.ledger.load_misses.pop(request.request_id, 0)
+        # A lookup after a failed load: the failed blocks that no other tier delivers now count under the
+        # failure's reason, and only once.
+        counted = self.manager.ledger.settle(request.request_id, missed)
         if missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self.requests.full_keys(state, request.num_tokens)
             first_missed = hit_tokens // self.block_size
