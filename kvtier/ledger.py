@@ -17,6 +17,7 @@ from typing import Sequence
 
 class Ledger:
     MAX_UNSETTLED = 4096  # requests whose failed loads wait to be counted; past it the oldest are counted
+
     def __init__(self, indexes: Sequence, block_tokens: int, track_holdings: bool = False):
         self.holdings: list = []  # the same list object in every index, which appends to it
         for index in indexes:
@@ -53,8 +54,9 @@ class Ledger:
         counted = 0
         for reason, tokens in self.load_misses.pop(req_id, Counter()).items():
             take = min(tokens, missed - counted)
-            self.misses[reason] += take
-            counted += take
+            if take > 0:  # no zero entries: a reason shows only once it counted tokens
+                self.misses[reason] += take
+                counted += take
         return counted
 
     def gone(self, key: bytes) -> str | None:

@@ -239,15 +239,11 @@ class ExistenceIndex(TierIndex):
             if answered is not None and answered[0] == keys and time.monotonic() - answered[1] < self.ANSWER_REUSE_S:
                 return self._usable(keys, answered[2])
             if len(self._pending) >= self._max_pending:
-                self.num_refused += 1
-                self._unanswered.add(token)
-                return [False] * len(keys)
+                return self._busy(keys, token)
             try:
                 pending = self._start(list(keys))
             except OSError:  # no check can start now (too many still running): a miss, never a wait
-                self.num_refused += 1
-                self._unanswered.add(token)
-                return [False] * len(keys)
+                return self._busy(keys, token)
             self._pending[token] = (keys, time.monotonic(), pending)
             self.num_checks += 1
             return None
@@ -273,6 +269,13 @@ class ExistenceIndex(TierIndex):
             self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.ANSWER_REUSE_S}
         self._answered[token] = (keys, time.monotonic(), found)
         return self._usable(keys, found)
+
+    def _busy(self, keys, token):
+        """No check could start for ``token``: a miss, never a wait, and no verdict on the tier."""
+        self.num_refused += 1
+        self._unanswered.add(token)
+        self._silent.discard(token)  # busy is not silent: the tier may answer the next lookup
+        return [False] * len(keys)
 
     def _usable(self, keys, found):
         """The tier's answer, less the entries that failed to load since (misses for a while)."""
