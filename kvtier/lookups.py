@@ -12,7 +12,6 @@ it has waited for a block that is being written to the host pool.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Iterable, Sequence
 
@@ -61,7 +60,8 @@ class Lookups:
             if any(answer is None for answer in answers):
                 return None
             found = [dict(zip(rest, answer)) for answer in answers]
-        hits, taken = self._leading_hits(keys, found)
+        sources, first_wave, taken = self.walk(keys, found)
+        hits = len(sources) if first_wave else 0  # a hit loads in waves once its first wave has a block
         if token is None:
             return hits
         self._found[token] = found
@@ -95,24 +95,37 @@ class Lookups:
         """Host slots a plan could take now (free or evictable), less those lookups were promised."""
         return self.host.num_available - sum(self._promised.values())
 
-    def _leading_hits(self, keys: Sequence[bytes], found: list[dict[bytes, bool]]) -> tuple[int, int]:
-        """(leading hits, host slots the first wave of their plan takes out of ``free_slots``)."""
-        hits = taken = 0
-        budget = self.free_slots()
+    def walk(self, keys: Sequence[bytes], found: list[dict[bytes, bool]],
+             host_only: bool = False) -> tuple[list[str], int, int]:
+        """(where each leading loadable block of ``keys`` is read from, up to the first found nowhere
+        or, ``host_only``, the first not in the host pool; how many of them a plan's first wave takes,
+        as many as ``free_slots`` allow; the slots it takes). The rest goes in later waves, through the
+        slots each wave frees (``kvtier.load_waves``): a prompt larger than the host pool loads whole."""
+        sources: list[str] = []
+        end = taken = 0
+        room = self.free_slots()
         for key in keys:
             source = self.source(key, found)
-            if source is None:
+            if source is None or (host_only and source != HOST):
                 break
+            sources.append(source)
             need = self.slots_needed(key, source)
-            if taken + need > budget:
-                # The rest goes in later waves, through the slots each wave frees (``kvtier.load_waves``),
-                # once the first wave has a block: a prompt larger than the host pool still loads whole.
-                if hits > 0:
-                    hits += 1 + sum(1 for _ in itertools.takewhile(lambda k: self.source(k, found) is not None,
-                                                                   keys[hits + 1:]))
-                break
-            hits, taken = hits + 1, taken + need
-        return hits, taken
+            if end == len(sources) - 1 and taken + need <= room:  # the first wave: contiguous from the start
+                end, taken = end + 1, taken + need
+        return sources, end, taken
+
+    def found_for_plan(self, token: str, keys: Sequence[bytes],
+                       found: list[dict[bytes, bool]] | None = None) -> list[dict[bytes, bool]]:
+        """What each tier holds of ``keys``, for the token's plan: a tier that asks others, what the
+        token's lookup found (a later wave: ``found``, its first wave's); the others are asked again
+        now (an entry may have been evicted since). The lookup's promised slots are taken now."""
+        remembered = self.take(token)
+        remembered = found or remembered or [{} for _ in self.tiers]
+        for tier in self.tiers:  # the answer is used up: if this load fails, the next lookup asks again
+            if tier.asks_the_tier:
+                tier.forget(token)
+        return [remembered[i] if tier.asks_the_tier else dict(zip(keys, tier.lookup(keys, None)))
+                for i, tier in enumerate(self.tiers)]
 
     def take(self, token: str) -> list[dict[bytes, bool]] | None:
         """What the token's lookup found, as its plan takes its slots now (its promise ends)."""

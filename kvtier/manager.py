@@ -133,28 +133,10 @@ class TierManager:
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"plan_load for {req_id}: {len(keys)} keys but {len(block_ids)} blocks")
-        # A tier that asks others: what the request's lookup found (or its last wave's plan); the
-        # others are asked again now (an entry may have been evicted since).
-        remembered = self.lookups.take(req_id)  # its promised slots are taken now, or not at all
-        remembered = found or remembered or [{} for _ in self.tiers]
-        found = [remembered[i] if tier.asks_the_tier else dict(zip(keys, tier.lookup(keys, None)))
-                 for i, tier in enumerate(self.tiers)]
-        for tier in self.tiers:  # the answer is used up: if this load fails, the next lookup asks again
-            if tier.asks_the_tier:
-                tier.forget(req_id)
-        sources: list[str] = []  # the loadable prefix: where each block is read from
+        found = self.lookups.found_for_plan(req_id, keys, found)  # its lookup's promised slots are taken now
         # This wave: as many blocks as the free slots allow (a pin takes one, a stage one), less the slots
         # other lookups were promised (their requests plan after this one, in the same step).
-        end = taken = 0
-        room = self.lookups.free_slots()
-        for key in keys:
-            source = self.lookups.source(key, found)
-            if source is None or (layerwise and source != HOST):
-                break
-            sources.append(source)
-            need = self.lookups.slots_needed(key, source)
-            if end == len(sources) - 1 and taken + need <= room:
-                end, taken = end + 1, taken + need
+        sources, end, _ = self.lookups.walk(keys, found, host_only=layerwise)
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
         host_at = [i for i in range(end) if sources[i] == HOST]
         slot_at = dict(zip(host_at, self.host.prepare_load([keys[i] for i in host_at])))

@@ -11,6 +11,7 @@ import pytest
 from kvtier.entry import HEADER_BYTES
 from kvtier.tiers.disk import DiskIndex, DiskStore, entries_file
 from kvtier.tiers.entry_files import EntryFiles
+from tests.damage import flip_byte
 
 FP = b"\x11" * 16
 SLOT = 1000  # deliberately not a multiple of 16
@@ -43,10 +44,10 @@ def test_write_read_round_trip_and_owner_only_permissions(disk_dir):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (lambda path: _flip_byte(path, HEADER_BYTES + 10), "checksum"),
-    (lambda path: _flip_byte(path, 0), "not a kvtier entry"),
-    (lambda path: _flip_byte(path, 20), "foreign namespace"),
-    (lambda path: _flip_byte(path, 40), "other key"),
+    (lambda path: flip_byte(path, HEADER_BYTES + 10), "checksum"),
+    (lambda path: flip_byte(path, 0), "not a kvtier entry"),
+    (lambda path: flip_byte(path, 20), "foreign namespace"),
+    (lambda path: flip_byte(path, 40), "other key"),
     (lambda path: _zero(path, 0, HEADER_BYTES), "not a kvtier entry"),  # never written
 ])
 def test_damaged_entries_are_misses(disk_dir, damage, reason):
@@ -117,7 +118,7 @@ def test_a_new_process_finds_the_entries_again(disk_dir):
             "index.prepare_store(keys);"
             f"[store.write(k, memoryview(np.full({SLOT}, i, np.uint8)), index.location(k)) for i, k in enumerate(keys)]")
     subprocess.run([sys.executable, "-c", code, disk_dir], check=True)
-    _flip_byte(entries_file(disk_dir, FP), 3 * ENTRY)  # place 3's header is damaged: not found
+    flip_byte(entries_file(disk_dir, FP), 3 * ENTRY)  # place 3's header is damaged: not found
     index = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
     assert index.lookup([key(i) for i in range(5)]) == [True, True, True, False, True]
     why, out = read(DiskStore(disk_dir, FP, SLOT), 4, index.location(key(4)))
@@ -177,14 +178,6 @@ def test_entry_files_round_trip_and_leave_no_temporary_file(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
     os.truncate(files.path(key(1)), HEADER_BYTES + SLOT // 2)
     assert "wrong size" in files.read(key(1), memoryview(out))
-
-
-def _flip_byte(path, offset):
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        byte = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _zero(path, offset, size):

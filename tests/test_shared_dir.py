@@ -10,6 +10,7 @@ from kvtier.config import ConfigError, KVTierConfig
 from kvtier.entry import HEADER_BYTES
 from kvtier.tiers.disk import entries_in
 from kvtier.tiers.entry_files import entry_path
+from tests.damage import flip_byte
 from tests.test_remote import BS, Instance, answer_holding_the_gil, keys_of
 
 
@@ -209,11 +210,7 @@ def test_a_load_that_failed_from_the_disk_is_taken_again_from_the_shared_tier(sh
     job = inst.manager.plan_load("r", keys, [20, 21, 22])
     assert job.fill_from == ["disk"] * 3
     (path, offset, _, _, _), = [e for e in entries_in(tmp_path / "disk") if e[2] == keys[0]]
-    with open(path, "r+b") as f:
-        f.seek(offset + HEADER_BYTES + 5)
-        byte = f.read(1)
-        f.seek(offset + HEADER_BYTES + 5)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, offset + HEADER_BYTES + 5)
     report = inst.run(job, inst.worker.submit_load)
     assert not report.success and 20 in report.failed_block_ids
     assert inst.lookup(keys) == 3  # the same request: the shared tier's copies, not the disk's

@@ -2,8 +2,8 @@
 layouts: the worker inside the scheduler's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 how vLLM runs one GPU) and the engine core in a process of its own (vLLM's default).
 
-The first process of each pair serves one request and exits at once: nothing steps
-its engine after the request, so its writes reach the tier only through kvtier's own
+A process that stores serves its last request and exits at once: nothing steps its
+engine after the request, so its writes reach the tier only through kvtier's own
 threads and the flush at exit. The next process must be served every full block."""
 
 import random
@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.servers import local_mooncake, local_redis
 from kvtier.tiers.disk import entries_in
+from tests.damage import flip_byte
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.vllm
 BLOCK = 32
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 8}
 PROMPT = [random.Random(11).randrange(3, 2000) for _ in range(800)]
+OTHER = [random.Random(12).randrange(3, 2000) for _ in range(800)]
+THIRD = [random.Random(13).randrange(3, 2000) for _ in range(800)]
 FULL_BLOCKS = len(PROMPT) // BLOCK
 ENTRY_GET = b"\r\nGET\r\n$72\r\nkvtier/"  # a load's read of an entry (kvtier/<rank>/<key>), nothing else
 
@@ -39,10 +42,16 @@ def model(workdir):
 
 
 @pytest.fixture(scope="module")
-def reference(workdir, model):
-    result = apps.run_app(workdir, "reference", {"model": model, "engine": ENGINE, "warmup": False,
-                                                 "phases": [{"prompts": [PROMPT]}]})
-    return result["phases"][0]["outputs"]["0"]["tokens"]
+def references(workdir, model):
+    """The no-connector outputs of PROMPT, OTHER and THIRD, each alone."""
+    result = apps.run_app(workdir, "reference", {"model": model, "engine": ENGINE, "warmup": False, "phases": [
+        {"prompts": [PROMPT]}, {"prompts": [OTHER]}, {"prompts": [THIRD]}]})
+    return [phase["outputs"]["0"]["tokens"] for phase in result["phases"]]
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[0]
 
 
 @contextmanager
@@ -59,48 +68,58 @@ def tier(kind: str, tmp_path: Path):
             yield {**base, "remote_url": server.url}
 
 
-@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
 @pytest.mark.parametrize("kind", ["disk", "file", "redis", "mooncake"])
-def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(workdir, model, reference, kind,
-                                                                             layout, tmp_path):
+def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(workdir, model, references, kind,
+                                                                             tmp_path):
+    """Three processes on one tier, each exiting right after its last request. The first (the worker
+    in the scheduler's process) stores PROMPT; the second (the engine core in a process of its own)
+    is served PROMPT and stores OTHER; the third (one process again) is served OTHER."""
     with tier(kind, tmp_path) as extra:
-        spec = {"model": model, "connector": "kvtier", "extra": extra, "engine": ENGINE, "warmup": False,
-                "layout": layout}
-        apps.run_app(workdir, f"{kind}-{layout}-a", {**spec, "phases": [
+        spec = {"model": model, "connector": "kvtier", "extra": extra, "engine": ENGINE, "warmup": False}
+        apps.run_app(workdir, f"{kind}-a", {**spec, "layout": "in_process", "phases": [
             {"prompts": [PROMPT], "max_tokens": 1, "drain": False}]})  # exits right after its one request
-        second = apps.run_app(workdir, f"{kind}-{layout}-b", {**spec, "phases": [{"prompts": [PROMPT]}]})
-    out = second["phases"][0]["outputs"]["0"]
-    assert out["cached"] == FULL_BLOCKS * BLOCK  # every full block came from the tier
-    assert out["tokens"] == reference
-    if layout == "in_process":  # kvtier's state can be read in this layout
-        assert second["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
-        assert second["kvtier"]["verify_failures"] == 0 and second["kvtier"]["host_pins"] == 0
-        assert second["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
+        second = apps.run_app(workdir, f"{kind}-b", {**spec, "layout": "multiprocess", "phases": [
+            {"prompts": [PROMPT]}, {"prompts": [OTHER], "max_tokens": 1}]})
+        third = apps.run_app(workdir, f"{kind}-c", {**spec, "layout": "in_process", "phases": [{"prompts": [OTHER]}]})
+    for run, reference in ((second, references[0]), (third, references[1])):
+        out = run["phases"][0]["outputs"]["0"]
+        assert out["cached"] == FULL_BLOCKS * BLOCK  # every full block came from the tier
+        assert out["tokens"] == reference
+    # kvtier's state can be read in the one-process layout
+    assert third["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
+    assert third["kvtier"]["verify_failures"] == 0 and third["kvtier"]["host_pins"] == 0
+    assert third["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
 
 
-@pytest.mark.parametrize("layout,layerwise", [("in_process", False), ("multiprocess", False), ("in_process", True)],
-                         ids=["in_process", "multiprocess", "in_process-layerwise"])
-def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_whole(workdir, model, reference,
-                                                                                    layout, layerwise, tmp_path):
-    """The host pool holds 8 of the prompt's 25 blocks and the process exits right after the request's
-    one step. The blocks past the pool's free slots are stored at shutdown, as its writes free them:
-    with the engine core in a process of its own vLLM steps it while kvtier has work; in the
-    one-process layout nothing steps it any more, and kvtier's worker side plans them with the
+def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_whole(workdir, model, references,
+                                                                                    tmp_path):
+    """The host pool holds 8 of a prompt's 25 blocks, and each process exits right after its last
+    request's one step. The blocks past the pool's free slots are stored at shutdown, as its writes
+    free them: with the engine core in a process of its own vLLM steps it while kvtier has work; in
+    the one-process layout nothing steps it any more, and kvtier's worker side plans them with the
     scheduler side of its engine. In layer-wise mode the first blocks are stored layer by layer
-    during the forward, the rest whole. The next process is served every full block."""
+    during the forward, the rest whole. Four processes on one disk: the first (one process) stores
+    PROMPT; the second (the engine core in a process of its own) loads it in waves through the
+    pool, and stores OTHER; the third (one process, layer-wise) loads OTHER and stores THIRD; the
+    fourth (a large pool) loads THIRD. Each load serves every full block."""
     slot_bytes = 3 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
     disk = tmp_path / "disk"
-    spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": layout}
-    name = f"exit-small-pool-{layout}{'-layerwise' * layerwise}"
-    apps.run_app(workdir, f"{name}-a", {
-        **spec, "extra": {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk), "layerwise": layerwise},
-        "phases": [{"prompts": [PROMPT], "max_tokens": 1, "drain": False}]})
-    assert len(entries_in(disk)) == FULL_BLOCKS
-    second = apps.run_app(workdir, f"{name}-b", {
-        **spec, "extra": {"host_bytes": "64MiB", "disk_dir": str(disk)}, "phases": [{"prompts": [PROMPT]}]})
-    out = second["phases"][0]["outputs"]["0"]
-    assert out["cached"] == FULL_BLOCKS * BLOCK
-    assert out["tokens"] == reference
+    small = {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk)}
+    spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False}
+    store = lambda prompt: {"prompts": [prompt], "max_tokens": 1, "drain": False}  # noqa: E731
+    runs = [("in_process", small, [store(PROMPT)]),
+            ("multiprocess", small, [{"prompts": [PROMPT]}, store(OTHER)]),
+            ("in_process", {**small, "layerwise": True}, [{"prompts": [OTHER]}, store(THIRD)]),
+            ("in_process", {"host_bytes": "64MiB", "disk_dir": str(disk)}, [{"prompts": [THIRD]}])]
+    for i, (layout, extra, phases) in enumerate(runs):
+        result = apps.run_app(workdir, f"exit-small-pool-{i}", {**spec, "layout": layout, "extra": extra,
+                                                                "phases": phases})
+        if i > 0:  # its first phase loads what the run before it stored
+            out = result["phases"][0]["outputs"]["0"]
+            assert out["cached"] == FULL_BLOCKS * BLOCK, f"run {i}"
+            assert out["tokens"] == references[i - 1], f"run {i}"
+        if i < 3:
+            assert len(entries_in(disk)) == (i + 1) * FULL_BLOCKS, f"run {i}"
 
 
 @pytest.mark.parametrize("kind", ["file", "mooncake"])
@@ -176,8 +195,8 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
     with local_redis(log_path=str(tmp_path / "redis.log")) as server:
         base = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True, "load_timeout_s": 60}
         spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": layout}
-        apps.run_app(workdir, f"kill-{layout}-a", {**spec, "extra": {**base, "remote_url": server.url},
-                                                   "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
+        apps.run_app(workdir, f"kill-{layout}-a", {**spec, "layout": "in_process", "extra": {  # stores PROMPT
+            **base, "remote_url": server.url}, "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
         host, port = server.url.split("//")[1].split(":")
         # Each answer held well past remote_timeout_s (2 s): no read beats the client's socket
         # timeout, so a lookup or load the relay touches after the kill fails, never trickles in.
@@ -209,7 +228,8 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
     # the failed load was given up at once, not at its deadline.
     assert second["phases"][0]["seconds"] < base["load_timeout_s"] / 2, (workdir / f"kill-{layout}-b.log").read_text()[-6000:]
     if layout == "in_process":
-        assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == FULL_BLOCKS * BLOCK  # it was planned
+        assert second["kvtier"]["stats"]["hit_blocks"]["redis"] == FULL_BLOCKS  # planned from the pool,
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == 0  # and not loaded: no hit
         assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["verify_failures"] == 0
         assert second["kvtier"]["io_restarts"] == 1
 
@@ -287,12 +307,7 @@ def _damage_every_entry(disk_dir: Path) -> None:
     entries = entries_in(disk_dir)
     assert len(entries) >= FULL_BLOCKS
     for path, offset, _, payload_bytes, _ in entries:
-        with open(path, "r+b") as file:
-            at = offset + HEADER_BYTES + payload_bytes // 2
-            file.seek(at)
-            byte = file.read(1)[0]
-            file.seek(at)
-            file.write(bytes([byte ^ 0xFF]))
+        flip_byte(path, offset + HEADER_BYTES + payload_bytes // 2)
 
 
 @pytest.mark.parametrize("case", ["disk-full", "redis-full", "disk-damaged", "forged", "pool-slow",
@@ -335,10 +350,12 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
     elif case == "disk-damaged":  # the first failed load takes the disk out for this request, not every tier
         assert stats["bad_entries"] > 0 and stats["failed_load_blocks"] > 0
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_file"] == FULL_BLOCKS * BLOCK
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == 0  # planned, failed: no hit
         assert second["phases"][0]["kvtier_delta"]["misses"] == {}  # the directory delivered them: no miss
     elif case == "forged":
-        assert stats["bad_entries"] > 0 and second["phases"][0]["kvtier_delta"]["hit_tokens_file"] > 0
+        assert stats["bad_entries"] > 0 and stats["hit_blocks"]["file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
+        assert second["phases"][0]["kvtier_delta"]["hit_tokens_file"] == 0  # so none is a hit
         assert second["phases"][0]["kvtier_delta"]["misses"] == {"damaged": FULL_BLOCKS * BLOCK}  # counted once
     elif case == "pool-slow":
         assert stats["abandoned_loads"] == 1 and stats["loaded_blocks"] == 0

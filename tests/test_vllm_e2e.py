@@ -302,32 +302,38 @@ def test_a_conversations_next_turn_loads_the_answer_written_with_speculative_dec
         assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
 
 
-@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
-def test_prompts_larger_than_the_host_pool_are_stored_and_loaded_whole(workdir, model, layout):
-    """A host pool of 16 blocks and prompts of 62 and 40 blocks: stores past its free slots are tried again
-    in later steps as its writes end, while the request runs (the first prompt, 8 tokens) or after it has
-    finished in its one step (the second, 1 token; vLLM keeps its blocks until they are stored). A new
-    process loads each prompt in waves through the pool, every full block from the disk tier, with outputs
-    equal to the first process's, which computed everything."""
+def test_prompts_larger_than_the_host_pool_are_stored_and_loaded_whole(workdir, model):
+    """A host pool of 16 blocks and pairs of prompts of 62 and 40 blocks: stores past its free slots are
+    tried again in later steps as its writes end, while the request runs (a pair's first prompt, 8 tokens)
+    or after it has finished in its one step (the second, 1 token; vLLM keeps its blocks until they are
+    stored). A new process loads each prompt in waves through the pool, every full block from the disk
+    tier, with outputs equal to those of the process that computed everything. Three processes: the
+    first (one process) stores pair A; the second (the engine core in a process of its own) loads A and
+    stores pair B; the third (one process) loads B."""
     rng = random.Random(8)
-    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (62 * BLOCK + 9, 40 * BLOCK)]
+    pair_a, pair_b = ([[rng.randrange(3, 2000) for _ in range(n)] for n in (62 * BLOCK + 9, 40 * BLOCK)]
+                      for _ in range(2))
     slot_bytes = 4 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
-    extra = {"host_bytes": 16 * (slot_bytes + 64), "disk_dir": str(workdir / f"waves-{layout}")}
+    extra = {"host_bytes": 16 * (slot_bytes + 64), "disk_dir": str(workdir / "waves")}
     # idle_s: with the engine in a process of its own, the last stores run while it steps on its own.
-    spec = {"model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
-            "phases": [{"prompts": prompts[:1], "max_tokens": 8}, {"prompts": prompts[1:], "max_tokens": 1,
-                                                                   "idle_s": 2.0}]}
-    first = run_app(workdir, f"waves-first-{layout}", spec, timeout=300)
-    second = run_app(workdir, f"waves-second-{layout}", spec, timeout=300)
-    for i, tokens in enumerate(prompts):
-        assert first["phases"][i]["outputs"]["0"]["cached"] == 0
-        out = second["phases"][i]["outputs"]["0"]
-        assert out["tokens"] == first["phases"][i]["outputs"]["0"]["tokens"]
-        assert out["cached"] == len(tokens) // BLOCK * BLOCK, f"prompt of {len(tokens)} tokens"
-    if layout == "in_process":
-        state = second["kvtier"]
-        assert [phase["kvtier_delta"]["hit_tokens_disk"] for phase in second["phases"]] == \
-            [len(t) // BLOCK * BLOCK for t in prompts]
-        assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["pending_jobs"] == 0
-        assert state["pending_waves"] == 0 and state["finishing_requests"] == 0 and state["engine_requests"] == 0
-        assert first["kvtier"]["stats"]["skipped_store_blocks"] == 0
+    phases = lambda pair: [{"prompts": pair[:1], "max_tokens": 8},  # noqa: E731
+                           {"prompts": pair[1:], "max_tokens": 1, "idle_s": 2.0}]
+    spec = {"model": model, "connector": "kvtier", "extra": extra, "warmup": False}
+    first = run_app(workdir, "waves-1", {**spec, "layout": "in_process", "phases": phases(pair_a)}, timeout=300)
+    second = run_app(workdir, "waves-2", {**spec, "layout": "multiprocess", "phases": phases(pair_a) + phases(pair_b)},
+                     timeout=300)
+    third = run_app(workdir, "waves-3", {**spec, "layout": "in_process", "phases": phases(pair_b)}, timeout=300)
+    # (the phases that computed a pair, those that loaded it, the pair)
+    for computed, loaded, pair in ((first["phases"], second["phases"][:2], pair_a),
+                                   (second["phases"][2:], third["phases"], pair_b)):
+        for i, tokens in enumerate(pair):
+            assert computed[i]["outputs"]["0"]["cached"] == 0
+            out = loaded[i]["outputs"]["0"]
+            assert out["tokens"] == computed[i]["outputs"]["0"]["tokens"]
+            assert out["cached"] == len(tokens) // BLOCK * BLOCK, f"prompt of {len(tokens)} tokens"
+    state = third["kvtier"]  # kvtier's state is readable in the one-process layout
+    assert [phase["kvtier_delta"]["hit_tokens_disk"] for phase in third["phases"]] == \
+        [len(t) // BLOCK * BLOCK for t in pair_b]
+    assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["pending_jobs"] == 0
+    assert state["pending_waves"] == 0 and state["finishing_requests"] == 0 and state["engine_requests"] == 0
+    assert first["kvtier"]["stats"]["skipped_store_blocks"] == 0

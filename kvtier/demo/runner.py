@@ -85,7 +85,7 @@ def kvtier_state(llm) -> dict:
     scheduler, worker = kvtier_sides(llm)
     manager = scheduler.manager
     return {
-        **{f"hit_tokens_{tier}": scheduler.hit_tokens[tier]
+        **{f"hit_tokens_{tier}": scheduler.hits.tokens[tier]
            for tier in ["host", *(t.name for t in manager.tiers)]},
         "miss_tokens": scheduler.miss_tokens,
         "misses": dict(manager.ledger.misses),

@@ -9,11 +9,11 @@ into the blocks vLLM allocated and stores of the blocks each step computes
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
+from kvtier.hits import LoadHits
 from kvtier.integrations.vllm.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
 from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
@@ -45,11 +45,10 @@ class SchedulerSide:
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
         self._new_loads = []
-        self._wave_tokens: dict[str, dict[int, int]] = {}  # request -> its waves' tokens per device block
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
         self.stores: StorePlans | None = None  # which blocks are stored when; built with the manager
-        self.hit_tokens: Counter = Counter()  # "host" and each tier's name -> prompt tokens loaded from it
+        self.hits = LoadHits()  # prompt tokens loaded, by tier: counted as loads complete
         self.miss_tokens = 0
         self._stats = StatsTracker()
         self.kv_events = kv_events  # vLLM publishes KV events: kvtier's tiers are announced too
@@ -173,21 +172,13 @@ class SchedulerSide:
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
         tokens_of = {block_id: min((first_block + i + 1) * self.block_size, hit_tokens)
                      - max((first_block + i) * self.block_size, first_token) for i, block_id in enumerate(block_ids)}
-        self._count_hits(job, tokens_of)
-        if not job.final:  # a load larger than the free host slots: its next waves follow (manager.waves)
-            self._wave_tokens[request.request_id] = tokens_of
-
-    def _count_hits(self, job, tokens_of: dict[int, int]) -> None:
-        self.hit_tokens["host"] += sum(tokens_of[b] for b in job.ready_block_ids)
-        for block_id, source in zip(job.fill_block_ids, job.fill_from):
-            self.hit_tokens[source] += tokens_of[block_id]
+        self.hits.planned(job, tokens_of)  # a load larger than the free host slots: its waves follow
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         self._preempted_store_job_ids += self.requests.follow_blocks(scheduler_output)
         for job in self.manager.waves.due_jobs() if self.manager is not None else ():
             self._new_loads.append(job)
-            tokens_of = self._wave_tokens.pop(job.req_id) if job.final else self._wave_tokens[job.req_id]
-            self._count_hits(job, tokens_of)
+            self.hits.planned(job)
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
@@ -214,7 +205,10 @@ class SchedulerSide:
         if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
         self.manager.on_released(meta.released_slot_ids)
-        self.stores.on_completed(self.manager.on_reports(meta.reports))
+        self.hits.reported(meta.reports)  # before the manager takes them: which blocks failed
+        completed = self.manager.on_reports(meta.reports)
+        self.hits.completed(completed)
+        self.stores.on_completed(completed)
 
     def shutdown(self) -> None:
         if self._events is not None and self._events.journal is not None:
@@ -242,7 +236,7 @@ class SchedulerSide:
     def collect_stats(self):
         if self.manager is None:
             return None
-        return self._stats.collect(self.manager, self.hit_tokens, self.miss_tokens, self.handoffs)
+        return self._stats.collect(self.manager, self.hits.tokens, self.miss_tokens, self.handoffs)
 
     def take_events(self) -> list:
         if self._events is None or self.manager is None:
