@@ -195,7 +195,8 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
     with local_redis(log_path=str(tmp_path / "redis.log")) as server:
         base = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True, "load_timeout_s": 60}
         spec = {"model": model, "connector": "kvtier", "engine": ENGINE, "warmup": False, "layout": layout}
-        apps.run_app(workdir, f"kill-{layout}-a", {**spec, "layout": "in_process", "extra": {  # stores PROMPT
+        # Stores PROMPT in one process whatever the layout: the load is what runs in ``layout``.
+        apps.run_app(workdir, f"kill-{layout}-a", {**spec, "layout": "in_process", "extra": {
             **base, "remote_url": server.url}, "phases": [{"prompts": [PROMPT], "max_tokens": 1}]})
         host, port = server.url.split("//")[1].split(":")
         # Each answer held well past remote_timeout_s (2 s): no read beats the client's socket
