@@ -175,6 +175,12 @@ KEYS: dict[str, _Key] = {
     "load_timeout_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "A load whose disk or pool reads take longer is abandoned: its blocks are recomputed."),
+    "handoff_stall_s": _Key(
+        3.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
+        "Prefill/decode: a decode request handed over by a prefill instance waits for the prompt blocks "
+        "that instance still stores while they keep arriving; once none has arrived for this long (the "
+        "prefill instance died or is stuck), it loads what is there and computes the rest. It waits "
+        "load_timeout_s at most in any case."),
     "idle_step_wait_s": _Key(
         0.002, _parse_float, lambda v: 0 <= v <= 0.1, "a number of seconds in [0, 0.1]",
         "In an engine step that computes nothing while a load is in flight, the engine's thread waits this "
@@ -234,6 +240,7 @@ class KVTierConfig:
     remote_ttl_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float
+    handoff_stall_s: float
     idle_step_wait_s: float
     shutdown_flush_s: float
     load_failure_policy: str

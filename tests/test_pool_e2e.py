@@ -216,34 +216,56 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
     """``vllm serve`` x2 and ``kvtier proxy`` on a Redis pool; prefill's host pool holds one block, so
     of a prompt of 60 blocks it stores one before its answer and the rest after it, one a step. Its
     answer says how many prompt tokens it stores (``kv_transfer_params``), the proxy hands that to
-    decode, and decode waits for them: it loads the whole prompt from the pool, with prefill's output."""
+    decode, and decode waits for them: it loads the whole prompt from the pool, with prefill's output.
+    Then prefill is killed right after another such answer: decode stops waiting once no new block
+    has come for ``handoff_stall_s``, long before its ``load_timeout_s``, and computes the rest."""
+    import os
+    import signal
+
     from kvtier.demo.model import words
     from tests.e2e.servers import http_json, kvtier_metrics, kvtier_proxy, vllm_server
 
     model = tokenized_model(workdir)
     tokens = prompt(97, 1900)
     slot_bytes = 2 * 2 * 1 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head size x float32, per block
+    procs = []
     with local_redis(log_path=str(tmp_path / "redis.log")) as pool:
         def config(role, **extra):
             return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                     "kv_role": role, "kv_connector_extra_config": pool_extra(pool.url, **extra)}
 
-        with vllm_server(model, config("kv_producer", host_bytes=slot_bytes + 64), tmp_path / "prefill.log") as prefill, \
-                vllm_server(model, config("kv_consumer"), tmp_path / "decode.log") as decode, \
+        with vllm_server(model, config("kv_producer", host_bytes=slot_bytes + 64), tmp_path / "prefill.log",
+                         procs=procs) as prefill, \
+                vllm_server(model, config("kv_consumer", load_timeout_s=120.0), tmp_path / "decode.log") as decode, \
                 kvtier_proxy(prefill, decode, tmp_path / "proxy.log") as url:
             request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
             through_proxy = http_json(url + "/v1/completions", request)
             remote_hits = pool_hit_tokens(decode)
             metrics = kvtier_metrics(decode)
-            waits = [metrics.get("vllm:kvtier_handoff_waiting_requests"), metrics.get("vllm:kvtier_handoff_timeouts_total")]
+            waits = [metrics.get("vllm:kvtier_handoff_waiting_requests"), metrics.get("vllm:kvtier_handoff_timeouts_total"),
+                     metrics.get("vllm:kvtier_handoff_stalls_total")]
             handed = http_json(prefill + "/v1/completions", {**request, "prompt": words(prompt(96, 650)),
                                                              "max_tokens": 1})
             alone = http_json(prefill + "/v1/completions", request)
+            # Prefill dies just after its answer, with most of the prompt still to store.
+            orphan = {**request, "prompt": words(prompt(95, 1900))}
+            answer = http_json(prefill + "/v1/completions", {**orphan, "max_tokens": 1})
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            procs[0].wait()
+            began = time.monotonic()
+            decoded = http_json(decode + "/v1/completions", {**orphan, "kv_transfer_params": answer["kv_transfer_params"]})
+            waited = time.monotonic() - began
+            after = kvtier_metrics(decode)
     assert remote_hits == len(tokens)  # every prompt token, from the pool, though most came after the answer
-    assert waits == [0, 0]  # decode's /metrics: it waited no more once they were there, and never timed out
+    assert waits == [0, 0, 0]  # decode's /metrics: it waited no more once they were there, never timed out or stalled
     assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
     # Prefill alone, a prompt of its own: its answer names the tokens it is still storing.
     assert handed["kv_transfer_params"] == {"kvtier_tokens": 650}
+    assert answer["kv_transfer_params"] == {"kvtier_tokens": 1900}
+    # Its producer gone, decode waited handoff_stall_s (3 s) after the last block came, not load_timeout_s.
+    assert after.get("vllm:kvtier_handoff_stalls_total") == 1 and after.get("vllm:kvtier_handoff_timeouts_total") == 0
+    assert after.get("vllm:kvtier_handoff_waiting_requests") == 0 and 3 <= waited < 120
+    assert decoded["choices"][0]["text"].startswith(answer["choices"][0]["text"])  # prefill's first token
 
 
 def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_path):

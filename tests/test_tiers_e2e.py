@@ -374,7 +374,7 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     asked for at once through a 12-block host pool (the first takes every slot, so the second finds
     none to stage its first block in; a hit that finds one loads in waves through it); a request whose
     producer said it stores the prompt in a shared directory, which never came (it waits
-    ``load_timeout_s``, then recomputes)."""
+    ``handoff_stall_s``, then recomputes)."""
     from kvtier.servers import free_port
 
     rng = random.Random(5)
@@ -394,9 +394,9 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
         "phases": [{"prompts": [a], "max_tokens": 1}, {"prompts": [b], "max_tokens": 1},
                    {"prompts": [a], "max_tokens": 1}]})
     # A request handed over by a producer that never stores its blocks in the shared directory: it waits
-    # load_timeout_s for them.
+    # for them until none has come for handoff_stall_s.
     late = apps.run_app(workdir, "misses-late", {**spec, "extra": {**host, "remote_url": f"file://{tmp_path / 'late'}",
-                                                                   "load_timeout_s": 1.0},
+                                                                   "load_timeout_s": 30.0, "handoff_stall_s": 1.0},
                                                  "phases": [{"prompts": [c], "max_tokens": 1,
                                                              "kv_transfer_params": {"kvtier_tokens": len(c)}}]})
     staged = apps.run_app(workdir, "misses-slots", {**spec, "extra": {
@@ -411,8 +411,9 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert down["phases"][1]["seconds"] < 30  # it did not wait its load_timeout_s
     assert down["kvtier"]["handoff_cut_short"] == 1 and down["kvtier"]["handoff_timeouts"] == 0
     assert late["phases"][0]["kvtier_delta"]["misses"] == {"producer_late": len(c)}
-    assert 1.0 <= late["phases"][0]["seconds"] < 30  # it waited, and no longer than its bound allows
-    assert late["kvtier"]["handoff_timeouts"] == 1 and late["kvtier"]["handoff_waiting"] == 0
+    assert 1.0 <= late["phases"][0]["seconds"] < 30  # it waited for a new block, not load_timeout_s
+    assert late["kvtier"]["handoff_stalls"] == 1 and late["kvtier"]["handoff_waiting"] == 0
+    assert late["kvtier"]["handoff_timeouts"] == 0
     assert late["kvtier"]["handoff_cut_short"] == 0
     assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
     # a takes the 12 slots; b, behind it, finds none free for its first block: all of it is missed.

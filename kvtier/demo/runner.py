@@ -101,6 +101,7 @@ def kvtier_state(llm) -> dict:
         "tracked_requests": scheduler.num_tracked_requests,
         "handoff_waiting": scheduler.handoffs.num_waiting,  # requests waiting for a producer's blocks
         "handoff_timeouts": scheduler.handoffs.num_timeouts,
+        "handoff_stalls": scheduler.handoffs.num_stalls,  # its producer sent no new block for handoff_stall_s
         "handoff_cut_short": scheduler.handoffs.num_cut_short,  # handed over, but the blocks could not come
         # vLLM's own: a finished request whose blocks kvtier never released stays here.
         "engine_requests": len(llm.llm_engine.engine_core.engine_core.scheduler.requests),

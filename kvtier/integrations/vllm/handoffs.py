@@ -6,10 +6,13 @@ stored at its next steps (``store_plans``), after that answer. For such a reques
 answer carries ``kv_transfer_params: {"kvtier_tokens": N}``, the prompt tokens it stores;
 ``kvtier proxy`` hands it on with the request to the decode instance. There, while the
 tiers hold fewer of that request's tokens, its lookup answers "ask again" (vLLM keeps it
-waiting) and asks the tiers anew every ``ASK_EVERY_S``, for at most ``load_timeout_s``;
-then it loads what is there and vLLM computes the rest (the tokens that no tier holds
-are counted under the miss reason ``producer_late``). Where the blocks cannot come (the
-storage pool is down, or the request's load from it failed), it does not wait at all.
+waiting) and asks the tiers anew every ``ASK_EVERY_S``. It waits while the blocks keep
+arriving: once no new one has been found for ``handoff_stall_s`` (the producer died, or is
+stuck), or at ``load_timeout_s`` in any case, it loads what is there and vLLM computes the
+rest (the tokens that no tier holds are counted under the miss reason ``producer_late``).
+Nothing else tells a decode instance that its producer is gone: the pool is all the two
+share. Where the blocks cannot come (the storage pool is down, or the request's load from
+it failed), it does not wait at all.
 """
 
 from __future__ import annotations
@@ -32,31 +35,50 @@ def handed_tokens(request) -> int:
     return min(value, request.num_tokens)
 
 
+class _Wait:
+    __slots__ = ("since", "asked", "found", "found_at")
+
+    def __init__(self, now: float, found: int):
+        self.since = self.asked = self.found_at = now  # first short lookup, last ask, last new block
+        self.found = found  # the most tokens a lookup found so far
+
+
 class HandOffs:
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, stall_s: float | None = None):
         self.timeout_s = timeout_s
-        self._waiting: dict[str, tuple[float, float]] = {}  # request -> (its first short lookup, last asked)
-        self._given_up: set[str] = set()  # waited ``timeout_s``: they wait no more
+        self.stall_s = timeout_s if stall_s is None else stall_s
+        self._waiting: dict[str, _Wait] = {}
+        self._given_up: set[str] = set()  # they wait no more
         self._waited = False
         self.num_timeouts = 0  # requests that waited ``timeout_s`` and then computed what was missing
+        self.num_stalls = 0  # requests whose producer sent no new block for ``stall_s``
         self.num_cut_short = 0  # requests that stopped waiting because their blocks could not come
 
-    def wait(self, req_id: str) -> tuple[bool, bool]:
-        """A lookup found fewer tokens than were handed over: (wait for them, ask the tiers anew).
-        Past ``timeout_s`` the request waits no more, however often it is looked up again."""
+    def wait(self, req_id: str, found: int) -> tuple[bool, bool]:
+        """A lookup found ``found`` tokens, fewer than were handed over: (wait for them, ask the tiers
+        anew). After ``stall_s`` without more found, or ``timeout_s`` in all, the request waits no
+        more, however often it is looked up again."""
         if req_id in self._given_up:
             return False, False
         now = time.monotonic()
-        since, asked = self._waiting.setdefault(req_id, (now, now))
-        if now - since >= self.timeout_s:
+        wait = self._waiting.get(req_id)
+        if wait is None:
+            wait = self._waiting[req_id] = _Wait(now, found)
+        elif found > wait.found:  # the producer is still storing: its stall clock starts again
+            wait.found, wait.found_at = found, now
+        timed_out = now - wait.since >= self.timeout_s
+        if timed_out or now - wait.found_at >= self.stall_s:
             del self._waiting[req_id]
             self._given_up.add(req_id)
-            self.num_timeouts += 1
+            if timed_out:
+                self.num_timeouts += 1
+            else:
+                self.num_stalls += 1
             return False, False
         self._waited = True
-        if now - asked < ASK_EVERY_S:
+        if now - wait.asked < ASK_EVERY_S:
             return True, False
-        self._waiting[req_id] = (since, now)
+        wait.asked = now
         return True, True
 
     def cut_short(self, req_id: str) -> tuple[bool, bool]:

@@ -29,6 +29,8 @@ COUNTERS = {
     "abandoned_stores": "Stores whose tier writes went unanswered and were given up",
     "handoff_timeouts": "Requests that waited load_timeout_s for blocks a prefill instance said it stores, "
                         "then computed the rest",
+    "handoff_stalls": "Requests that waited for blocks a prefill instance said it stores until none had "
+                      "arrived for handoff_stall_s (it died or is stuck), then computed the rest",
     "handoff_cut_short": "Requests handed over by a prefill instance that did not wait for its blocks: the "
                          "storage pool was down, or their load from it failed",
 }
@@ -130,7 +132,8 @@ class StatsTracker:
             "failed_load_blocks": stats.failed_load_blocks, "bad_entries": stats.bad_entries,
             "skipped_store_blocks": stats.skipped_store_blocks, "failed_store_blocks": stats.failed_store_blocks,
             "abandoned_loads": stats.abandoned_loads, "abandoned_stores": stats.abandoned_stores,
-            "handoff_timeouts": handoffs.num_timeouts, "handoff_cut_short": handoffs.num_cut_short,
+            "handoff_timeouts": handoffs.num_timeouts, "handoff_stalls": handoffs.num_stalls,
+            "handoff_cut_short": handoffs.num_cut_short,
             "evictions|host": manager.host.num_evictions,
             **{f"hit_tokens|{tier}": tokens for tier, tokens in hit_tokens.items()},
             **{f"written_blocks|{tier}": n for tier, n in stats.written_blocks.items()},
