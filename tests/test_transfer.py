@@ -124,6 +124,21 @@ def test_a_job_with_a_bad_id_fails_and_the_copier_goes_on(threads):
     engine.close()
 
 
+def test_the_cuda_copier_checks_every_id_on_the_host_before_it_queues_a_copy():
+    """Pure host code, run here without a device: an id out of range would be a device-side assert
+    on the GPU, which poisons the engine's CUDA context."""
+    from kvtier.transfer.cuda import checked_ids
+
+    blocks, slots = checked_ids(TransferJob([3, 0, 9], np.array([1, 7, 0]), True), num_blocks=10, num_slots=8)
+    assert blocks.dtype == slots.dtype == np.int64 and blocks.tolist() == [3, 0, 9] and slots.tolist() == [1, 7, 0]
+    assert checked_ids(TransferJob([], [], False), 10, 8)[0].size == 0
+    for block_ids, slot_ids, why in (([10], [0], "block id out of range"), ([-1], [0], "block id out of range"),
+                                     ([0], [8], "slot id out of range"), ([0], [-1], "slot id out of range"),
+                                     ([0, 1], [0], "same length"), ([[0]], [[0]], "1-D")):
+        with pytest.raises(ValueError, match=why):
+            checked_ids(TransferJob(np.array(block_ids), np.array(slot_ids), True), 10, 8)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copier_round_trip_on_pooled_streams():

@@ -57,6 +57,20 @@ def segment_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[tor
     return views
 
 
+def checked_ids(job: TransferJob, num_blocks: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """A job's block and slot ids as arrays, checked on the host before anything is queued: an id
+    out of range on the device is a device-side assert, which poisons the whole CUDA context, the
+    engine's too."""
+    block_ids, slot_ids = np.array(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
+    if block_ids.ndim != 1 or block_ids.shape != slot_ids.shape:
+        raise ValueError("block_ids and slot_ids must be 1-D and of the same length")
+    if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):
+        raise ValueError(f"block id out of range [0, {num_blocks})")
+    if slot_ids.size and (slot_ids.min() < 0 or slot_ids.max() >= num_slots):
+        raise ValueError(f"slot id out of range [0, {num_slots})")
+    return block_ids, slot_ids
+
+
 @dataclass
 class _Lanes:
     """What one job borrows from the pools: per lane a stream, an event and a staging buffer."""
@@ -191,18 +205,6 @@ class CudaCopier(DeviceCopier):
                 job.tensor_indices, sum(s.nbytes for s in self._layout.segments_of(job.tensor_indices)))
         return len(job.block_ids) * per_block
 
-    def _checked_ids(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
-        # Checked on the host before anything is queued: an id out of range on the device
-        # is a device-side assert, which poisons the whole CUDA context, the engine's too.
-        block_ids, slot_ids = np.array(job.block_ids, np.int64), np.asarray(job.slot_ids, np.int64)
-        if block_ids.ndim != 1 or block_ids.shape != slot_ids.shape:
-            raise ValueError("block_ids and slot_ids must be 1-D and of the same length")
-        if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= self._layout.num_blocks):
-            raise ValueError(f"block id out of range [0, {self._layout.num_blocks})")
-        if slot_ids.size and (slot_ids.min() < 0 or slot_ids.max() >= self._num_slots):
-            raise ValueError(f"slot id out of range [0, {self._num_slots})")
-        return block_ids, slot_ids
-
     def _upload_ids(self, lanes: _Lanes, block_ids: np.ndarray) -> torch.Tensor:
         """The block ids on the device, from the lanes' pinned buffer: an asynchronous copy
         (a pageable one may hold the host), on the current stream (lane 0's)."""
@@ -249,7 +251,7 @@ class CudaCopier(DeviceCopier):
                 view.index_copy_(0, device_ids, staging[:, at: at + seg.nbytes])
 
     def start(self, job: TransferJob, on_done: Callable[[TransferResult], None]) -> None:
-        block_ids, slot_ids = self._checked_ids(job)
+        block_ids, slot_ids = checked_ids(job, self._layout.num_blocks, self._num_slots)
         num_lanes = 2 if job.tensor_indices is None and block_ids.size > self._rows_per_chunk else 1
         lanes = self.lane_pool.take(num_lanes)
         streams, events = lanes.streams, lanes.events
