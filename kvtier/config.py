@@ -176,7 +176,7 @@ KEYS: dict[str, _Key] = {
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "A load whose disk or pool reads take longer is abandoned: its blocks are recomputed."),
     "handoff_stall_s": _Key(
-        3.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
+        5.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
         "Prefill/decode: a decode request handed over by a prefill instance waits for the prompt blocks "
         "that instance still stores while they keep arriving; once none has arrived for this long (the "
         "prefill instance died or is stuck), it loads what is there and computes the rest. It waits "
