@@ -38,7 +38,7 @@ def num_host_slots(host_bytes: int, slot_bytes: int) -> int:
 class ManagerStats:
     """Cumulative counters; the metrics layer reads differences. Per-tier ones are keyed by the tier's name."""
 
-    hit_blocks: Counter = field(default_factory=Counter)  # "host" and each tier: blocks planned from it
+    planned_blocks: Counter = field(default_factory=Counter)  # "host" and each tier: blocks planned to load from it
     written_blocks: Counter = field(default_factory=Counter)  # each tier: blocks written through to it
     failed_writes: Counter = field(default_factory=Counter)
     loaded_blocks: int = 0
@@ -161,7 +161,7 @@ class TierManager:
                       [block_ids[i] for i in fills], [slot_at[i] for i in fills], [keys[i] for i in fills],
                       [sources[i] for i in fills], [] if wave else list(block_ids[end:]), layerwise,
                       [self.tier(sources[i]).location(keys[i]) for i in fills], final=not wave)
-        self.stats.hit_blocks.update(sources[:end])
+        self.stats.planned_blocks.update(sources[:end])
         self._pending[job.job_id] = _Pending(job)
         if wave:
             self.waves.keep(job, list(keys[end:]), list(block_ids[end:]), found)

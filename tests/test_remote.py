@@ -78,7 +78,7 @@ def test_blocks_stored_by_one_instance_load_byte_exact_in_another(pool):
     assert report.success
     for w, r in zip(writer.tensors, reader.tensors):
         assert torch.equal(w[blocks].view(torch.int16), r[[20, 21, 22]].view(torch.int16))
-    assert reader.manager.host.num_pins == 0 and reader.manager.stats.hit_blocks[job.fill_from[0]] == 3
+    assert reader.manager.host.num_pins == 0 and reader.manager.stats.planned_blocks[job.fill_from[0]] == 3
     writer.close()
     reader.close()
 

@@ -229,7 +229,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute(workdir, model, refere
     # the failed load was given up at once, not at its deadline.
     assert second["phases"][0]["seconds"] < base["load_timeout_s"] / 2, (workdir / f"kill-{layout}-b.log").read_text()[-6000:]
     if layout == "in_process":
-        assert second["kvtier"]["stats"]["hit_blocks"]["redis"] == FULL_BLOCKS  # planned from the pool,
+        assert second["kvtier"]["stats"]["planned_blocks"]["redis"] == FULL_BLOCKS  # planned from the pool,
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_redis"] == 0  # and not loaded: no hit
         assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["verify_failures"] == 0
         assert second["kvtier"]["io_restarts"] == 1
@@ -354,7 +354,7 @@ def test_a_fault_under_vllm_costs_a_recompute_never_a_wrong_answer(workdir, mode
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_disk"] == 0  # planned, failed: no hit
         assert second["phases"][0]["kvtier_delta"]["misses"] == {}  # the directory delivered them: no miss
     elif case == "forged":
-        assert stats["bad_entries"] > 0 and stats["hit_blocks"]["file"] > 0
+        assert stats["bad_entries"] > 0 and stats["planned_blocks"]["file"] > 0
         assert stats["loaded_blocks"] == 0  # planned from the directory, none of them loaded
         assert second["phases"][0]["kvtier_delta"]["hit_tokens_file"] == 0  # so none is a hit
         assert second["phases"][0]["kvtier_delta"]["misses"] == {"damaged": FULL_BLOCKS * BLOCK}  # counted once
