@@ -62,6 +62,7 @@ class HandOffs:
             return False, False
         now = time.monotonic()
         wait = self._waiting.get(req_id)
+        # Progress first, then the bounds: an answer that took long to come and finds more is progress.
         if wait is None:
             wait = self._waiting[req_id] = _Wait(now, found)
         elif found > wait.found:  # the producer is still storing: its stall clock starts again

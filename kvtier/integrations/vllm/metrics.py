@@ -27,8 +27,8 @@ COUNTERS = {
     "failed_store_blocks": "Blocks whose store failed (the copy failed, or the engine reused them first)",
     "abandoned_loads": "Loads whose reads did not end within load_timeout_s (recomputed)",
     "abandoned_stores": "Stores whose tier writes went unanswered and were given up",
-    "handoff_timeouts": "Requests that waited load_timeout_s for blocks a prefill instance said it stores, "
-                        "then computed the rest",
+    "handoff_timeouts": "Requests that waited load_timeout_s for blocks a prefill instance said it stores "
+                        "(they kept coming, too slowly), then computed the rest",
     "handoff_stalls": "Requests that waited for blocks a prefill instance said it stores until none had "
                       "arrived for handoff_stall_s (it died or is stuck), then computed the rest",
     "handoff_cut_short": "Requests handed over by a prefill instance that did not wait for its blocks: the "
