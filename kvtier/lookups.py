@@ -7,7 +7,7 @@ and each evictable host hit is pinned, so a lookup counts no more of them than t
 pool's available slots less those other lookups were promised, and promises its own
 until its request plans or goes away. It also remembers, per request, what the tiers
 found (the plan uses it), whether its hits stopped for lack of a host slot, and how long
-it has waited for a block that is being written to the host pool.
+it has waited for a block that is being written to the host pool, or for a free slot.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Lookups:
         down or silent counts as a miss. Where the hits stop at a block that is being
         written to the host pool (another request's store or load of the same prefix),
         this also returns None, for at most ``wait_s``: waiting a step for a copy beats
-        recomputing it.
+        recomputing it. So it does where a tier holds the first block but no host slot is free to
+        stage it in (all pinned, being written or promised); ``wait_s`` past that, the request's
+        miss is counted as ``no_free_host_slot``.
         """
         self._promised.pop(token, None)  # this lookup replaces the token's previous one
         local = self.host.lookup(keys)
@@ -67,7 +69,11 @@ class Lookups:
         self._found[token] = found
         limited = hits < len(keys) and self.source(keys[hits], found) is not None  # found, but no slot
         (self._slot_limited.add if limited else self._slot_limited.discard)(token)
-        if hits < len(keys) and self.host.is_being_written(keys[hits]):
+        # Found, but not one host slot to stage its first block in: every slot is pinned by a load or
+        # store in flight, being written, or promised, and each frees as its job ends (a hit of one
+        # block loads the rest in waves). Or the hits stop at a block being written to the host pool.
+        # Either way, waiting a few steps beats recomputing the prompt.
+        if (hits == 0 and limited) or (hits < len(keys) and self.host.is_being_written(keys[hits])):
             now = time.monotonic()
             if now - self._waiting_since.setdefault(token, now) < self.wait_s:
                 return None

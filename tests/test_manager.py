@@ -163,12 +163,36 @@ def test_no_wave_is_counted_when_promises_exceed_the_free_slots(tmp_path):
     assert mgr.lookup(chain(2, 2), token="waiting") == 2  # promised the two slots
     store = mgr.plan_store("s", chain(3, 1), [70])  # takes one of them
     assert mgr.free_slots() < 0
-    assert mgr.lookup(pinned + on_disk, token="r") == 0
+    assert mgr.lookup(pinned + on_disk, token="r") is None  # nothing counted: it asks again, for a slot
     complete(mgr, store)
     complete(mgr, other)
     mgr.forget("waiting")
+    assert mgr.lookup(pinned + on_disk, token="r") == 3  # slots free again: the whole prefix
     mgr.forget("r")
     assert mgr.host.num_pins == 0
+
+
+def test_a_lookup_with_no_free_host_slot_waits_for_one_at_most_load_timeout_s(tmp_path):
+    """A tier holds the prompt but every host slot is pinned: the lookup asks again rather than have vLLM
+    recompute it, until a slot frees (a hit) or ``load_timeout_s`` passes (a miss, ``no_free_host_slot``)."""
+    mgr = manager(str(tmp_path), host_slots=2, disk_entries=20, load_timeout_s=0.2)
+    prompt = chain(0, 3)
+    for i, key in enumerate(prompt):  # all on disk; the host pool keeps the last two
+        complete(mgr, mgr.plan_store("s", [key], [i]))
+    loading = mgr.plan_load("other", prompt[1:], [10, 11])  # pins both slots
+    assert mgr.lookup(prompt, token="r") is None and mgr.lookup(prompt, token="r") is None
+    complete(mgr, loading)
+    assert mgr.lookup(prompt, token="r") == 3  # a slot freed: the prompt loads, in waves
+    mgr.forget("r")
+    loading = mgr.plan_load("other", prompt[1:], [10, 11])
+    began = time.monotonic()
+    while (hits := mgr.lookup(prompt, token="late")) is None:
+        time.sleep(0.01)
+    assert hits == 0 and 0.2 <= time.monotonic() - began < 5
+    assert mgr.miss_reason(prompt[0], "late") == "no_free_host_slot"
+    complete(mgr, loading)
+    mgr.forget("late")
+    assert mgr.host.num_pins == 0 and mgr.tier("disk").num_pins == 0
 
 
 def test_a_lookup_waits_for_a_block_being_written_rather_than_recompute_it(tmp_path):

@@ -372,7 +372,7 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     blocks hit, its partial block was never stored); a dead pool (down), and a request handed over
     through it (it does not wait for blocks that cannot come); two prompts on disk
     asked for at once through a 12-block host pool (the first takes every slot, so the second finds
-    none to stage its first block in; a hit that finds one loads in waves through it); a request whose
+    none to stage its first block in: it waits for the first's load to end, and loads whole); a request whose
     producer said it stores the prompt in a shared directory, which never came (it waits
     ``handoff_stall_s``, then recomputes)."""
     from kvtier.servers import free_port
@@ -416,8 +416,10 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     assert late["kvtier"]["handoff_timeouts"] == 0
     assert late["kvtier"]["handoff_cut_short"] == 0
     assert evicted["phases"][2]["kvtier_delta"]["misses"] == {"evicted_disk": len(a)}  # gone from both: disk last
-    # a takes the 12 slots; b, behind it, finds none free for its first block: all of it is missed.
-    assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 5, "no_free_host_slot": len(b)}
+    # a takes the 12 slots; b, behind it, finds none free for its first block: it asks again until a's
+    # load frees them, rather than recompute, and loads whole. Only the partial blocks are missed.
+    assert staged["phases"][2]["kvtier_delta"]["misses"] == {"partial_block": 10}
+    assert [out["cached"] for out in staged["phases"][2]["outputs"].values()] == [12 * BLOCK] * 2
     for run in (first, down, evicted, late, staged):
         assert run["kvtier"]["host_pins"] == 0 and run["kvtier"]["pending_jobs"] == 0
 
