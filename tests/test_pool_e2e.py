@@ -255,6 +255,7 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
             began = time.monotonic()
             decoded = http_json(decode + "/v1/completions", {**orphan, "kv_transfer_params": answer["kv_transfer_params"]})
             waited = time.monotonic() - began
+            print(f"decode's request waited {waited:.1f} s for a producer killed after its answer")
             after = kvtier_metrics(decode)
     assert remote_hits == len(tokens)  # every prompt token, from the pool, though most came after the answer
     assert waits == [0, 0, 0]  # decode's /metrics: it waited no more once they were there, never timed out or stalled

@@ -33,7 +33,8 @@ class SchedulerSide:
         # the consumer only loads (the partial block too) and stores nothing.
         self.stores_enabled = kv_role != "kv_consumer"
         self.is_producer = kv_role == "kv_producer"
-        self.handoffs = HandOffs(config.load_timeout_s, config.handoff_stall_s)  # requests waiting for a producer's stores
+        # Requests waiting for a producer's stores.
+        self.handoffs = HandOffs(config.load_timeout_s, config.handoff_stall_s)
         self.partial_blocks = config.store_partial_block or kv_role in ("kv_producer", "kv_consumer")
         self.config = config
         self.geometry = geometry
@@ -102,13 +103,15 @@ class SchedulerSide:
         wanted = keys[start:] + ([partial] if partial is not None else [])
         hits = self.manager.lookup(wanted, token=request.request_id)
         if hits is None:
-            return None, False  # the pool has not answered yet: vLLM asks again next step
+            return None, False  # a tier has not answered, or a block or host slot is coming: vLLM asks again
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         if hit_tokens < self._handed_tokens(request):  # a producer is still storing this prompt: wait, bounded
             # No wait where its blocks cannot come: the storage pool is down, or this request's load failed from it.
-            wait, ask_again = (self.handoffs.wait(request.request_id, hit_tokens) if self.manager.can_arrive(request.request_id)
-                               else self.handoffs.cut_short(request.request_id))
+            if self.manager.can_arrive(request.request_id):
+                wait, ask_again = self.handoffs.wait(request.request_id, hit_tokens)
+            else:
+                wait, ask_again = self.handoffs.cut_short(request.request_id)
             if wait:
                 if ask_again:
                     self.manager.ask_again(request.request_id)
