@@ -123,12 +123,13 @@ def main(args) -> dict:
                       f"{s['loaded_bytes'] / 1e6:.1f} MB", f"{s['stored_bytes'] / 1e6:.1f} MB")
     console.print(table)
     reference = {i: o["tokens"] for i, o in baseline["phases"][0]["outputs"].items()}
+    same = {p["name"]: sum(o["tokens"] == reference[i] for i, o in p["outputs"].items()) for p in phases}
+    console.print("outputs equal to the first no-connector phase's: "
+                  + ", ".join(f"{name} {count}/{len(reference)}" for name, count in same.items()))
     plot = _plot(phases, workdir / "ttft.png")
     console.print(f"per-request time to first token: {plot}")
     return {"phases": summaries, "plot": str(plot), "working_set_tokens": working_set,
-            "vllm_cache_tokens": size["num_blocks"] * 32,
-            "same_tokens_as_no_connector": {p["name"]: sum(o["tokens"] == reference[i] for i, o in p["outputs"].items())
-                                            for p in phases}}
+            "vllm_cache_tokens": size["num_blocks"] * 32, "same_tokens_as_no_connector": same}
 
 
 def _plot(phases: list[dict], path: Path) -> Path:
