@@ -18,11 +18,10 @@
  *   both sides are merged into one memcpy. Returns the bytes copied.
  *   With sums (an int64 buffer of one item per block, or None), the copy also leaves
  *   in sums[i] the xxh3-64 of slot_ids[i]'s bytes (the entry checksum, kvtier.entry):
- *   to the host, of the bytes it wrote; from the host, of the bytes it read. Each
- *   piece is hashed just before its copy, which then reads it from cache and writes
- *   it with stores that bypass the cache, rather than read again from memory by the
- *   I/O process. The segments must then tile the
- *   slot, in order, from offset 0.
+ *   of the bytes it copies, each piece hashed just before its copy, which then reads
+ *   it from cache and writes it with stores that bypass the cache (rather than the
+ *   I/O process reading every slot again). The segments must then tile the slot, in
+ *   order, from offset 0.
  *
  * The caller guarantees that every address is valid for the whole call and that
  * runs do not overlap.
