@@ -190,8 +190,8 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         /* Block by block, each slot in order. Each piece is hashed just before it is copied, so the
          * copy reads its source from cache. To the host the hash is of the device's bytes, which
-         * the engine does not change while they are stored: a copy torn by a writer would leave
-         * an entry whose checksum does not match, found at its load, never a silent one. */
+         * the engine does not change while they are stored; were a piece changed between its hash
+         * and its copy, the entry's checksum would not match it, and its load would be a miss. */
         for (Py_ssize_t i = 0; i < n; i++) {
             XXH3_64bits_reset(state);
             for (Py_ssize_t r = 0; r < n_seg; r++) {
