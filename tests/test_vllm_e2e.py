@@ -267,6 +267,29 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
     assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output
 
 
+
+def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdir, model):
+    """vLLM keeps fp8 e4m3 and fp8 e5m2 KV alike in uint8 tensors of one shape: the namespace names the
+    format, so an e5m2 engine computes what an e4m3 engine stored (and serves its own blocks), while
+    "fp8", vLLM's other name for e4m3, loads e4m3's blocks."""
+    prompt = long_prompt()
+    disk = str(workdir / "fp8-disk")
+
+    def app(name, kv_cache_dtype, phases):
+        engine = {**ENGINE, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype}
+        return run_app(workdir, name, {"model": model, "connector": "kvtier", "engine": engine, "warmup": False,
+                                       "extra": {"host_bytes": "64MiB", "disk_dir": disk}, "phases": phases})
+
+    full = (len(prompt) // BLOCK) * BLOCK
+    e4m3 = app("fp8-e4m3", "fp8_e4m3", [{"prompts": [prompt]}])["phases"][0]["outputs"]["0"]
+    e5m2 = app("fp8-e5m2", "fp8_e5m2", [{"prompts": [prompt]}, {"prompts": [prompt], "reset_prefix_cache": True}])
+    cold, warm = (phase["outputs"]["0"] for phase in e5m2["phases"])
+    assert e4m3["cached"] == 0 and cold["cached"] == 0  # nothing of e4m3's loaded into e5m2's cache
+    assert warm["cached"] == full and warm["tokens"] == cold["tokens"]
+    assert cold["tokens"] != e4m3["tokens"]  # the formats differ: e4m3's blocks would have changed e5m2's answer
+    alias = app("fp8-alias", "fp8", [{"prompts": [prompt]}])["phases"][0]["outputs"]["0"]
+    assert alias["cached"] == full and alias["tokens"] == e4m3["tokens"]
+
 # Questions that repeat a few words, answered at length: n-gram drafts (vLLM's speculative decoding that
 # needs no draft model) are proposed at many steps, across block boundaries.
 _QUESTIONS = [[(7 * i) % 23 + 3 for i in range(n)] for n in (100, 2 * BLOCK + 1, 9 * BLOCK - 3)]

@@ -33,7 +33,8 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     is_mla = isinstance(spec, MLAAttentionSpec)
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
-    namespace = _namespace(config, vllm_config.model_config, spec.dtype, is_mla, spec.num_kv_heads, spec.head_size,
+    kv_dtype = _kv_dtype(spec.dtype, vllm_config.cache_config)
+    namespace = _namespace(config, vllm_config.model_config, kv_dtype, is_mla, spec.num_kv_heads, spec.head_size,
                            len(layer_names), spec.block_size, parallel.tensor_parallel_size)
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
@@ -71,17 +72,34 @@ def offline_namespace(model: str, engine_args: dict, config: KVTierConfig) -> Na
     else:
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
         kv_dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config)
-    return _namespace(config, model_config, kv_dtype, bool(getattr(model_config, "use_mla", False)),
+    return _namespace(config, model_config, _kv_dtype(kv_dtype, cache), bool(getattr(model_config, "use_mla", False)),
                       model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
                       model_config.get_num_layers(parallel), cache.block_size, parallel.tensor_parallel_size)
 
 
-def _namespace(config: KVTierConfig, model_config, kv_dtype, is_mla: bool, num_kv_heads: int, head_size: int,
+# vLLM's names of one format: "fp8" is fp8_e4m3 wherever vLLM offers both.
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def _kv_dtype(tensor_dtype, cache_config) -> str:
+    """What the cache's bytes mean. A floating-point tensor's dtype says it; vLLM keeps every
+    quantized format (fp8 e4m3 and e5m2, per-token-head int8, nvfp4, ...) in uint8 or int8
+    tensors, whose dtype does not: there the format, and the layers left unquantized, are named,
+    so that one format's blocks never load into another's cache."""
+    tensor_dtype = str(tensor_dtype)
+    if tensor_dtype.startswith("torch.float") or tensor_dtype == "torch.bfloat16":
+        return tensor_dtype
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    skipped = ",".join(str(layer) for layer in getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ())
+    return f"{tensor_dtype}:{_CACHE_DTYPE_ALIASES.get(cache_dtype, cache_dtype)}" + (f":skip={skipped}" if skipped else "")
+
+
+def _namespace(config: KVTierConfig, model_config, kv_dtype: str, is_mla: bool, num_kv_heads: int, head_size: int,
                num_layers: int, block_size: int, tp_size: int) -> Namespace:
     """The one place both the running connector and ``kvtier doctor`` make a namespace."""
     return Namespace(
         model=config.model_id or _model_name(str(model_config.model)),
-        kv_dtype=str(kv_dtype),
+        kv_dtype=kv_dtype,
         layout="mla" if is_mla else "kv",
         geometry=(head_size,) if is_mla else (num_kv_heads, head_size),
         num_layers=num_layers,
