@@ -106,6 +106,11 @@ class TierManager:
         """Number of leading ``keys`` ready in the host pool (loadable layer by layer)."""
         return self.host.lookup(keys)
 
+    def drop_lookup(self, token: str) -> None:
+        """``token``'s lookup is not followed by a load (the engine holds those blocks already, or
+        computes them): the host slots it counted on go back to other lookups at once."""
+        self.lookups.take(token)
+
     def forget(self, token: str) -> None:
         """Drop what a lookup remembered for ``token`` (a request that went away)."""
         self.lookups.forget(token)

@@ -150,6 +150,23 @@ def test_a_first_wave_leaves_the_slots_another_lookup_was_promised(tmp_path):
     assert mgr.host.num_pins == 0 and mgr.tier('disk').num_pins == 0 and mgr.num_pending == 0
 
 
+
+def test_a_lookup_that_no_load_follows_gives_its_promised_slots_back(tmp_path):
+    """vLLM's own prefix cache covered the hit (or the engine cannot load): the request runs on with no
+    load, and the slots its lookup counted on are at once other lookups' again, not at its end."""
+    mgr = manager(str(tmp_path), host_slots=4, disk_entries=20)
+    covered, other = chain(0, 3), chain(1, 3)
+    for i, key in enumerate(covered + other):  # on disk; the host pool keeps the last four
+        complete(mgr, mgr.plan_store("s", [key], [i]))
+    free = mgr.free_slots()
+    assert mgr.lookup(covered, token="covered") == 3 and mgr.free_slots() == free - 3
+    mgr.drop_lookup("covered")
+    assert mgr.free_slots() == free
+    assert mgr.lookup(other, token="other") == 3
+    complete(mgr, mgr.plan_load("other", other, [10, 11, 12]))
+    mgr.forget("other")
+    assert mgr.host.num_pins == 0 and mgr.tier("disk").num_pins == 0 and mgr.num_pending == 0
+
 def test_no_wave_is_counted_when_promises_exceed_the_free_slots(tmp_path):
     """A store takes a slot that a waiting request's lookup was promised: no slot is free for a first wave,
     not even for a block pinned already (it needs none), so nothing is counted that no plan could load."""

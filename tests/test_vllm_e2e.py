@@ -290,6 +290,32 @@ def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdi
     alias = app("fp8-alias", "fp8", [{"prompts": [prompt]}])["phases"][0]["outputs"]["0"]
     assert alias["cached"] == full and alias["tokens"] == e4m3["tokens"]
 
+
+def test_an_mla_model_on_vllms_cpu_attention_is_computed_never_loaded(workdir):
+    """vLLM's CPU MLA attention computes no prompt over KV loaded for its start (vLLM turns its own
+    prefix caching off for it; a load there, down to a whole prompt's but its last token, gave other
+    outputs). kvtier stores, loads nothing, and counts every token it looks up as engine_cannot_load."""
+    from kvtier.demo.model import make_mla_model
+    from kvtier.tiers.disk import entries_in
+
+    model = str(make_mla_model(workdir / "model_mla"))
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 2000) for _ in range(500)]
+    prompts = [shared + [rng.randrange(3, 2000) for _ in range(200)], shared[:16 * 20 + 1]]
+    engine = {**ENGINE, "block_size": 16}  # the one block size vLLM's CPU MLA kernel takes
+    reference = run_app(workdir, "mla-reference", {"model": model, "engine": engine, "warmup": False,
+                                                   "phases": [{"prompts": prompts}]})
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "mla-disk"), "store_partial_block": True}
+    served = run_app(workdir, "mla", {"model": model, "engine": engine, "connector": "kvtier", "extra": extra,
+                                      "warmup": False, "phases": [{"prompts": prompts}, {"prompts": prompts}]})
+    for phase in served["phases"]:  # the second phase repeats each prompt whole, every block of it stored
+        for i in range(len(prompts)):
+            assert phase["outputs"][str(i)]["tokens"] == reference["phases"][0]["outputs"][str(i)]["tokens"]
+            assert phase["outputs"][str(i)]["cached"] == 0
+        assert phase["kvtier_delta"]["misses"] == {"engine_cannot_load": sum(map(len, prompts))}
+    assert entries_in(workdir / "mla-disk")  # stored all the same, for an engine that can load them
+    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
 # Questions that repeat a few words, answered at length: n-gram drafts (vLLM's speculative decoding that
 # needs no draft model) are proposed at many steps, across block boundaries.
 _QUESTIONS = [[(7 * i) % 23 + 3 for i in range(n)] for n in (100, 2 * BLOCK + 1, 9 * BLOCK - 3)]

@@ -41,6 +41,34 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
     return path
 
 
+def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
+                   vocab_size: int = 2048, seed: int = 0) -> Path:
+    """A random-weight DeepSeek-V2-architecture model (multi-head latent attention, dense layers): a
+    latent KV of 512 plus 64 rotary dimensions per token, the one size vLLM's CPU MLA kernel takes."""
+    path = Path(path)
+    settings = dict(kind="mla", num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                    vocab_size=vocab_size, seed=seed)
+    marker = path / "kvtier_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads, first_k_dense_replace=num_layers,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        max_position_embeddings=8192, initializer_range=0.3, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path
+
+
 def make_tokenizer(vocab_size: int):
     """A word-level tokenizer: token i is the word ``w<i>`` (ids 0-2 are special)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

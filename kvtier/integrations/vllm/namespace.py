@@ -20,6 +20,7 @@ class EngineGeometry:
     block_size: int
     tp_size: int
     tp_rank_count: int  # workers that report each job (tensor x pipeline parallel)
+    extends_loaded_kv: bool = True  # False: the engine cannot use loaded KV (``_extends_loaded_kv``)
 
 
 def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> EngineGeometry:
@@ -38,7 +39,18 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
                            len(layer_names), spec.block_size, parallel.tensor_parallel_size)
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
-                          parallel.world_size)
+                          parallel.world_size, _extends_loaded_kv(vllm_config, is_mla))
+
+
+def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
+    """Whether the engine computes a prompt's tokens over KV loaded for the tokens before them.
+    vLLM's CPU MLA attention (all but the AMX one) does not: vLLM turns its own prefix caching and
+    chunked prefill off for it, and every load there, down to a whole prompt's but its last token,
+    gave other outputs than recompute. An engine with chunked prefill on computes over earlier KV
+    every chunk."""
+    from vllm.platforms import current_platform
+
+    return not (is_mla and current_platform.is_cpu() and not vllm_config.scheduler_config.enable_chunked_prefill)
 
 
 def _check_every_token_kept(spec) -> None:
