@@ -1,4 +1,5 @@
-"""A random-weight Llama-architecture model, generated locally (nothing is downloaded)."""
+"""Random-weight models, generated locally (nothing is downloaded): a Llama-architecture one, and
+an MLA one (DeepSeek-V2 architecture)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
                     vocab_size=vocab_size, max_positions=max_positions, initializer_range=initializer_range, seed=seed)
     if layer_types is not None:
         settings.update(layer_types=list(layer_types), sliding_window=sliding_window)
-    marker = path / "kvtier_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
+    if _written(path, settings):
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -33,12 +33,7 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
     )
     if layer_types is not None:  # read by vLLM's Llama (and written to config.json with the rest)
         config.layer_types, config.sliding_window = list(layer_types), sliding_window
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer(vocab_size).save_pretrained(path)
-    marker.write_text(json.dumps(settings))
-    return path
+    return _write(path, LlamaForCausalLM(config).to(torch.bfloat16), settings)
 
 
 def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
@@ -48,8 +43,7 @@ def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256
     path = Path(path)
     settings = dict(kind="mla", num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                     vocab_size=vocab_size, seed=seed)
-    marker = path / "kvtier_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
+    if _written(path, settings):
         return path
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -61,11 +55,20 @@ def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256
         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
         max_position_embeddings=8192, initializer_range=0.3, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False)
-    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    return _write(path, DeepseekV2ForCausalLM(config).to(torch.bfloat16), settings)
+
+
+def _written(path: Path, settings: dict) -> bool:
+    """A model directory with these settings is there already."""
+    marker = path / "kvtier_model.json"
+    return marker.exists() and json.loads(marker.read_text()) == settings
+
+
+def _write(path: Path, model, settings: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer(vocab_size).save_pretrained(path)
-    marker.write_text(json.dumps(settings))
+    make_tokenizer(settings["vocab_size"]).save_pretrained(path)
+    (path / "kvtier_model.json").write_text(json.dumps(settings))  # last: a directory cut short is written again
     return path
 
 
