@@ -48,9 +48,8 @@ def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
     chunked prefill off for it, and every load there, down to a whole prompt's but its last token,
     gave other outputs than recompute. An engine with chunked prefill on computes over earlier KV
     every chunk."""
-    from vllm.platforms import current_platform
-
-    return not (is_mla and current_platform.is_cpu() and not vllm_config.scheduler_config.enable_chunked_prefill)
+    on_cpu = getattr(vllm_config.device_config, "device_type", "") == "cpu"
+    return not (is_mla and on_cpu and not vllm_config.scheduler_config.enable_chunked_prefill)
 
 
 def _check_every_token_kept(spec) -> None:
