@@ -45,7 +45,6 @@ class SchedulerSide:
         self.requests = Requests(self.fingerprint, self.block_size)  # each request's keys and device blocks
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
-        self._cannot_load: set[str] = set()  # looked up on an engine that computes no prompt over loaded KV
         if not geometry.extends_loaded_kv:
             logger.warning("kvtier: this engine's attention (vLLM's CPU MLA) computes no prompt over KV loaded for its "
                            "start, so kvtier loads nothing here: it stores, and counts the prompt tokens it looks up "
@@ -101,8 +100,7 @@ class SchedulerSide:
         if self.manager is None or self._unsupported(request):
             return 0, False
         if not self.geometry.extends_loaded_kv:  # it would compute the prompt's rest wrongly over loaded KV
-            self._lookups[request.request_id] = num_computed_tokens
-            self._cannot_load.add(request.request_id)
+            self._lookups[request.request_id] = num_computed_tokens  # its misses are counted at allocation
             return 0, False
         state = self.requests.state(request)
         num_tokens = request.num_tokens
@@ -161,8 +159,7 @@ class SchedulerSide:
         # A lookup after a failed load: the failed blocks that no other tier delivers now count under the
         # failure's reason, and only once.
         counted = self.manager.ledger.settle(request.request_id, missed)
-        if request.request_id in self._cannot_load:
-            self._cannot_load.discard(request.request_id)
+        if not self.geometry.extends_loaded_kv:
             self.manager.ledger.count("engine_cannot_load", missed - counted)
         elif missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self.requests.full_keys(state, request.num_tokens)
@@ -263,7 +260,6 @@ class SchedulerSide:
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         state = self.requests.pop(request.request_id)
         self._lookups.pop(request.request_id, None)
-        self._cannot_load.discard(request.request_id)
         self.handoffs.forget(request.request_id)
         if self.manager is not None:
             self.manager.forget(request.request_id)
