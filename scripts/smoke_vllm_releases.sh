@@ -5,8 +5,8 @@
 # Usage: scripts/smoke_vllm_releases.sh 0.30.0 0.31.0 (after scripts/setup_vllm_releases.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke='served_twice or new_process_serves_the_prefix or layerwise or (disaggregation and redis)'
-what="hit in one process, restart served from disk, prefill/decode through Redis, layer-wise"
+smoke='served_twice or new_process_serves_the_prefix or layerwise or prompt_logprobs or (disaggregation and redis)'
+what="hit in one process, restart served from disk, prefill/decode through Redis, layer-wise, prompt logprobs"
 mkdir -p kvtier-out
 # The releases run side by side (their engines are mostly one thread each), each in a temporary
 # folder of its own; their logs are printed in order when both have ended.

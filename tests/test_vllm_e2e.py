@@ -316,6 +316,32 @@ def test_an_mla_model_on_vllms_cpu_attention_is_computed_never_loaded(workdir):
     assert entries_in(workdir / "mla-disk")  # stored all the same, for an engine that can load them
     assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
 
+def test_a_request_for_prompt_logprobs_is_computed_whole_and_the_next_one_loads(workdir, model):
+    """A request that asks for prompt logprobs needs every prompt token computed (vLLM reads no cached
+    KV for it; before 0.31 it kept a connector's hit, and the loaded tokens' logprobs were wrong).
+    kvtier loads nothing for it and counts its tokens as request_skips_cache; the same prompt
+    without prompt logprobs loads."""
+    prompt = [random.Random(21).randrange(3, 2000) for _ in range(9 * BLOCK + 5)]
+    reference = run_app(workdir, "plp-reference", {"model": model, "warmup": False,
+                                                   "phases": [{"prompts": [prompt], "prompt_logprobs": 1}]})
+    expected = reference["phases"][0]["outputs"]["0"]
+    extra = {"host_bytes": "16MiB", "disk_dir": str(workdir / "plp-disk")}
+    served = run_app(workdir, "plp", {"model": model, "connector": "kvtier", "extra": extra, "warmup": False,
+                                      "phases": [{"prompts": [prompt]},
+                                                 {"prompts": [prompt], "prompt_logprobs": 1, "reset_prefix_cache": True},
+                                                 {"prompts": [prompt], "reset_prefix_cache": True}]})
+    stored, asked, plain = served["phases"]
+    with_logprobs = asked["outputs"]["0"]
+    assert with_logprobs["cached"] == 0
+    assert with_logprobs["prompt_logprobs"] == expected["prompt_logprobs"]
+    assert len(expected["prompt_logprobs"]) == len(prompt) and None not in expected["prompt_logprobs"][1:]
+    assert with_logprobs["tokens"] == expected["tokens"]
+    assert asked["kvtier_delta"]["misses"] == {"request_skips_cache": len(prompt)}
+    assert plain["outputs"]["0"]["cached"] == 9 * BLOCK  # the blocks were there to load
+    assert plain["outputs"]["0"]["tokens"] == expected["tokens"]
+    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+
 # Questions that repeat a few words, answered at length: n-gram drafts (vLLM's speculative decoding that
 # needs no draft model) are proposed at many steps, across block boundaries.
 _QUESTIONS = [[(7 * i) % 23 + 3 for i in range(n)] for n in (100, 2 * BLOCK + 1, 9 * BLOCK - 3)]

@@ -15,6 +15,7 @@ and ``append`` (a conversation's next turn); after phase i, ``OUT.json.phase<i>.
 is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
 (vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
 layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
+``"prompt_logprobs": k`` asks for each prompt token's logprob; a phase with
 ``"drain": false`` is not followed by extra engine steps; ``"kv_transfer_params"`` goes
 with each of a phase's requests (as ``kvtier proxy`` hands a prefill answer's on); ``"idle_s"`` leaves the engine
 idle (no step) that long after the phase's ``done`` file is written. Before the phases, a
@@ -38,6 +39,11 @@ def _output_record(out) -> dict:
         "tokens": list(completion.token_ids),
         "cached": out.num_cached_tokens,
         "first_logprob": next(iter(logprobs[0].values())).logprob if logprobs else None,
+        # Each prompt token's logprob, where the phase asked for them: null for the first token (vLLM
+        # gives none) and for any token whose entry lacks it.
+        "prompt_logprobs": None if out.prompt_logprobs is None else
+        [entry[token].logprob if entry and token in entry else None
+         for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)],
     }
 
 
@@ -156,7 +162,7 @@ def main(spec_path: str, out_path: str) -> None:
     for index, phase in enumerate(spec["phases"]):
         if phase.get("wait_for"):  # another process (a test) prepares something between phases
             _wait_for_file(phase["wait_for"])
-        params = _sampling(SamplingParams, phase.get("max_tokens", 6))
+        params = _sampling(SamplingParams, phase.get("max_tokens", 6), phase.get("prompt_logprobs"))
         if phase.get("kv_transfer_params"):  # what a prefill instance's answer carries, as the proxy hands it on
             params.extra_args = {"kv_transfer_params": phase["kv_transfer_params"]}
         if phase.get("follow_up"):
@@ -195,9 +201,12 @@ def main(spec_path: str, out_path: str) -> None:
     json.dump(result, open(out_path, "w"))
 
 
-def _sampling(sampling_params, max_tokens: int):
-    """Greedy, every token kept, with the first token's logprob (tests compare them)."""
-    return sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+def _sampling(sampling_params, max_tokens: int, prompt_logprobs: int | None = None):
+    """Greedy, every token kept, with the first token's logprob (tests compare them). With
+    ``prompt_logprobs`` vLLM reads no cached KV for the request (at construction it sets
+    ``skip_reading_prefix_cache``)."""
+    return sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1,
+                           prompt_logprobs=prompt_logprobs)
 
 
 def _wait_for_file(path: str, timeout: float = 300.0) -> None:

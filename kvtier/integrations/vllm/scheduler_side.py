@@ -99,7 +99,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.manager is None or self._unsupported(request):
             return 0, False
-        if not self.geometry.extends_loaded_kv:  # it would compute the prompt's rest wrongly over loaded KV
+        if self._reads_no_kv(request):
             self._lookups[request.request_id] = num_computed_tokens  # its misses are counted at allocation
             return 0, False
         state = self.requests.state(request)
@@ -141,6 +141,16 @@ class SchedulerSide:
             return num_external, False
         return num_external, True
 
+    def _reads_no_kv(self, request) -> str | None:
+        """Why this request loads nothing, whatever the tiers hold (its misses' reason), or None."""
+        if not self.geometry.extends_loaded_kv:  # it would compute the prompt's rest wrongly over loaded KV
+            return "engine_cannot_load"
+        # Prompt logprobs (or the request's own wish): vLLM computes every prompt token, and before
+        # 0.31 it did not override a connector's hit for it, so that the loaded tokens' logprobs were wrong.
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return "request_skips_cache"
+        return None
+
     def _handed_tokens(self, request) -> int:
         """The prompt tokens a producer said it stores, of those this instance loads (its full blocks
         only, unless it loads partial blocks too)."""
@@ -159,8 +169,8 @@ class SchedulerSide:
         # A lookup after a failed load: the failed blocks that no other tier delivers now count under the
         # failure's reason, and only once.
         counted = self.manager.ledger.settle(request.request_id, missed)
-        if not self.geometry.extends_loaded_kv:
-            self.manager.ledger.count("engine_cannot_load", missed - counted)
+        if no_kv := self._reads_no_kv(request):
+            self.manager.ledger.count(no_kv, missed - counted)
         elif missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self.requests.full_keys(state, request.num_tokens)
             first_missed = hit_tokens // self.block_size
