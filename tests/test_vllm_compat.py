@@ -153,10 +153,11 @@ def test_kvtier_takes_the_kv_caches_that_keep_every_tokens_kv_and_names_the_othe
 
     shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
     for taken in (FullAttentionSpec(**shape), FullAttentionSpec(**shape, sliding_window=96),
-                  FullAttentionSpec(**shape, attention_chunk_size=64), MLAAttentionSpec(**{**shape, "num_kv_heads": 1})):
-        _check_every_token_kept(taken)
-    for refused, words in ((SlidingWindowSpec(**shape, sliding_window=96), "SlidingWindowSpec"),
+                  FullAttentionSpec(**shape, attention_chunk_size=64), MLAAttentionSpec(**{**shape, "num_kv_heads": 1}),
+                  SlidingWindowSpec(**shape, sliding_window=4096)):  # a window that spans max_model_len frees nothing
+        _check_every_token_kept(taken, max_model_len=4096)
+    for refused, words in ((SlidingWindowSpec(**shape, sliding_window=4095), "window of 4095 tokens is shorter"),
                            (ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
                            (FullAttentionSpec(**shape, non_causal=True), "non-causal")):
         with pytest.raises(ValueError, match=words):
-            _check_every_token_kept(refused)
+            _check_every_token_kept(refused, max_model_len=4096)

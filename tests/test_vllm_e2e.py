@@ -241,7 +241,8 @@ def test_prompts_of_every_length_finish_with_their_partial_blocks_stored(workdir
 def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workdir):
     """Without vLLM's hybrid cache manager (off on CPU), a model that mixes sliding-window and full-attention
     layers keeps every token's KV in full-attention blocks: kvtier stores and loads all of them. One with
-    sliding-window layers only (vLLM frees its blocks that leave the window) stops at start-up, saying so."""
+    sliding-window layers only (vLLM frees its blocks that leave the window) stops at start-up, saying so,
+    unless its window spans max_model_len (as a Mistral-7B-v0.1's 4,096 does, served up to 4,096 tokens)."""
     from kvtier.demo.model import make_model
 
     window = 3 * BLOCK
@@ -265,6 +266,18 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
     output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "extra": extra, "phases": []},
                      expect_failure=True)
     assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output
+    assert f"window of {window} tokens is shorter than max_model_len {ENGINE['max_model_len']}" in output
+
+    spanning = str(make_model(workdir / "model_spanning", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              layer_types=["sliding_attention"] * 2, sliding_window=ENGINE["max_model_len"]))
+    reference = run_app(workdir, "spanning-reference", {"model": spanning, "warmup": False, "phases": [phase]})
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "spanning-disk")}
+    served = run_app(workdir, "spanning", {"model": spanning, "connector": "kvtier", "extra": extra, "warmup": False,
+                                           "phases": [phase, {**phase, "reset_prefix_cache": True}]})
+    for i, tokens in enumerate(prompts):
+        assert served["phases"][1]["outputs"][str(i)]["tokens"] == reference["phases"][0]["outputs"][str(i)]["tokens"]
+        assert served["phases"][1]["outputs"][str(i)]["cached"] >= (len(tokens) - 1) // BLOCK * BLOCK
+    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
 
 
 

@@ -30,7 +30,7 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     if len(groups) != 1:
         raise ValueError(f"kvtier supports models with one KV cache group (full attention); this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    _check_every_token_kept(spec)
+    _check_every_token_kept(spec, vllm_config.model_config.max_model_len)
     is_mla = isinstance(spec, MLAAttentionSpec)
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
@@ -52,19 +52,26 @@ def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
     return not (is_mla and on_cpu and not vllm_config.scheduler_config.enable_chunked_prefill)
 
 
-def _check_every_token_kept(spec) -> None:
+def _check_every_token_kept(spec, max_model_len: int) -> None:
     """kvtier stores and loads every block of a prompt, each keyed by the tokens up to its end: the
     cache must keep every token's KV, and a block's KV must depend on those tokens alone. A model
     that mixes sliding-window (or chunked local) layers with full-attention ones passes: without
     vLLM's hybrid cache manager (off on CPU, and with any connector that does not declare it), its
     local layers get full-attention blocks, every token kept, and only compute within their window
-    (``FullAttentionSpec`` with its ``sliding_window`` or ``attention_chunk_size`` noted)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    (``FullAttentionSpec`` with its ``sliding_window`` or ``attention_chunk_size`` noted). So does a
+    model of sliding-window layers alone whose window spans ``max_model_len``: vLLM frees the blocks
+    before token ``n - window + 1`` at ``n`` tokens computed, none while ``window >= max_model_len``
+    (and attention then reaches every token, as full attention does)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+    if type(spec) is SlidingWindowSpec and spec.sliding_window >= max_model_len:
+        pass
+    elif type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        window = getattr(spec, "sliding_window", None)
+        reach = f"; its window of {window} tokens is shorter than max_model_len {max_model_len}" if window else ""
         raise ValueError(f"kvtier needs a KV cache that keeps every token's KV in full-attention blocks; this "
                          f"model's is {type(spec).__name__} (a cache of sliding-window or chunked local layers "
-                         "alone frees the blocks that leave the window)")
+                         f"alone frees the blocks that leave the window{reach})")
     if getattr(spec, "non_causal", False):
         raise ValueError("kvtier keys each block by the tokens before it, but this model's attention is "
                          "non-causal (a prefix LM): a block's KV depends on the tokens after it")
