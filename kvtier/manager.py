@@ -279,6 +279,8 @@ class TierManager:
             failed = {key for r in reports for key in r.failed_writes.get(name, ())}
             written = [k for k in keys if k not in failed and success]  # every rank wrote its shard
             self.tier(name).complete_store(written, [k for k in keys if k not in written])
+            if any(name in r.full_tiers for r in reports):  # after its failed keys gave their room back
+                self.tier(name).device_full()
             self.stats.written_blocks[name] += len(written)
             self.stats.failed_writes[name] += len(keys) - len(written)
 

@@ -78,6 +78,7 @@ class JobReport:
     failed_block_ids: list[int] = field(default_factory=list)  # loads: blocks to recompute
     bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated, foreign or missing
     failed_writes: dict[str, list[bytes]] = field(default_factory=dict)  # stores: tier name -> keys not written
+    full_tiers: list[str] = field(default_factory=list)  # stores: tiers whose filesystem had no room for a write
     # Loads abandoned after load_timeout_s: slots a read may still write into. They stay
     # reserved until the worker reports them released (``released_slot_ids``).
     held_slot_ids: list[int] = field(default_factory=list)

@@ -214,7 +214,8 @@ def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog
     """A 64 KiB tmpfs under the tier (a real ENOSPC), or the same remounted read-only (a real
     EROFS; the disk tier keeps its file open, so only the shared-directory tier can meet one):
     the writes that fail are counted, one warning names the errno, what was written loads
-    byte-exact, pins go to 0."""
+    byte-exact, pins go to 0. The disk tier, told that its filesystem is full, keeps what it holds
+    and makes room by eviction: the last blocks stored are the ones it holds, written whole."""
     from tests.test_tiering import keys_of, randomize
 
     with _tmpfs(tmp_path / "fs", "64k") as fs:
@@ -225,7 +226,7 @@ def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog
         assert engine.store(keys_of(range(4)), list(range(4)))[0].success  # 4 blocks, 18 KiB: they fit
         if fault == "EROFS":
             subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
-        with caplog.at_level(logging.WARNING, logger="kvtier.worker"):
+        with caplog.at_level(logging.WARNING):
             failed = []
             for first in range(4, 44, 4):  # 40 more blocks, 180 KiB: past the filesystem's end
                 reports = engine.store(keys_of(range(first, first + 4)), list(range(first, first + 4)))
@@ -233,12 +234,21 @@ def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog
         assert failed, "no write failed"
         lines = [r.getMessage() for r in caplog.records if f"writes to tier {tier} failed" in r.getMessage()]
         assert len(lines) == 1 and fault in lines[0]
+        loaded = range(4)  # what was written before the fault: the tier pauses, and keeps it
+        if tier == "disk":
+            full = [r.getMessage() for r in caplog.records if "filesystem" in r.getMessage() and "is full" in r.getMessage()]
+            assert len(full) == 1 and len(failed) < 8  # the writes past the end of the first store that met it
+            assert not set(failed) & set(keys_of(range(36, 44)))  # the latest are stored, older ones evicted
+            assert engine.manager.tier("disk").num_entries == engine.manager.tier("disk").limit_entries
+            loaded = range(36, 40)  # evicted from the 4 host slots by 40-43: read from disk
+            expected = [t[36:40].clone() for t in engine.tensors]
         for t in engine.tensors:
-            t[:4] = 0
-        while engine.manager.lookup(keys_of(range(4)), token="r") is None:
+            t[loaded.start:loaded.stop] = 0
+        while engine.manager.lookup(keys_of(loaded), token="r") is None:
             time.sleep(0.01)
-        job, report = engine.load(keys_of(range(4)), [44, 45, 46, 47])
+        job, report = engine.load(keys_of(loaded), [44, 45, 46, 47])
         assert report.success and set(job.fill_from) <= {tier, None}
+        assert tier != "disk" or list(job.fill_from) == ["disk"] * 4
         assert all(torch.equal(t[44:48].view(torch.int16), e.view(torch.int16))
                    for t, e in zip(engine.tensors, expected))
         assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0

@@ -37,33 +37,47 @@ def is_bad_entry(reason: str) -> bool:
     return not reason.startswith(UNAVAILABLE)
 
 
+# A write's reason when the tier's filesystem had no room for it (ENOSPC, EDQUOT): the index
+# is told (``TierIndex.device_full``), so that it makes room among its own entries.
+DEVICE_FULL = "device full: "
+
+
+def is_device_full(reason: str) -> bool:
+    return reason.startswith(DEVICE_FULL)
+
+
 # Errors that the next write will meet too: the device is full, read-only or failing.
-_LASTING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO})
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_LASTING_ERRNOS = _FULL_ERRNOS | {errno.EROFS, errno.EFBIG, errno.EIO}
 
 
 class WriteBackOff:
     """A filesystem tier's writes after a lasting error (ENOSPC, EROFS, ...): skipped at once
     for ``pause_s``, then tried again, instead of failing one by one against the device."""
 
-    def __init__(self, pause_s: float = 30.0):
+    def __init__(self, pause_s: float = 30.0, full_pause_s: float | None = None):
         self.pause_s = pause_s
+        self.full_pause_s = pause_s if full_pause_s is None else full_pause_s  # after ENOSPC or EDQUOT
         self._until = 0.0
         self._why = ""
+        self._full = ""  # DEVICE_FULL while the pause is for a full device
         self.num_pauses = 0
 
     def skipped(self) -> str | None:
         """Why a write is skipped now, or None to try it."""
         left = self._until - time.monotonic()
-        return f"write skipped: tier paused for {left:.0f} s after {self._why}" if left > 0 else None
+        return f"{self._full}write skipped: tier paused for {left:.0f} s after {self._why}" if left > 0 else None
 
     def failed(self, error: BaseException) -> str:
         """A write raised ``error``: its reason, errno named; a lasting error pauses the writes."""
         code = getattr(error, "errno", None)
         why = f"{errno.errorcode.get(code, code)}: {getattr(error, 'strerror', None) or error}" if code else repr(error)
-        if code in _LASTING_ERRNOS:
-            self._why, self._until = why, time.monotonic() + self.pause_s
+        full = DEVICE_FULL if code in _FULL_ERRNOS else ""
+        pause_s = self.full_pause_s if full else self.pause_s
+        if code in _LASTING_ERRNOS and pause_s > 0:
+            self._why, self._full, self._until = why, full, time.monotonic() + pause_s
             self.num_pauses += 1
-        return f"write failed: {why}"
+        return f"{full}write failed: {why}"
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,10 @@ class TierIndex(ABC):
 
     def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes]) -> None:
         """The writes of ``written`` landed; those of ``failed`` did not."""
+
+    def device_full(self) -> None:
+        """A write found no room on the tier's filesystem (ENOSPC, EDQUOT), short of the tier's own
+        bound: a tier that keeps a list holds at most what it holds now, evicting to make room."""
 
     def forget(self, token: str) -> None:
         """A request went away, or a plan used its lookup: drop what its lookups remembered."""

@@ -12,7 +12,7 @@ block. No file is created per block: a write costs what the bytes cost.
 The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which key is in which place (found again
   at start-up from the places' headers), pins for loads in flight, LRU eviction
-  within ``disk_bytes``. It holds an exclusive lock on its files: several
+  within ``disk_bytes``, or within what it holds once its filesystem is found full. It holds an exclusive lock on its files: several
   instances on one directory (vLLM servers on the GPUs of one node, all with the
   default ``disk_dir``) each take a file of their own, ``n`` = 0, 1, ..., and at a
   restart each takes back the first file no running instance holds. Instances
@@ -24,6 +24,7 @@ The tier's two halves (``kvtier.tiers.base``):
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import weakref
@@ -33,6 +34,8 @@ from typing import Sequence
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
 from kvtier.tiers.base import TierIndex, TierSpec, TierStore, WriteBackOff
+
+logger = logging.getLogger("kvtier.disk")
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -74,6 +77,9 @@ class DiskIndex(TierIndex):
         self._writing: set[bytes] = set()
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []  # free places, the lowest last: files stay dense at their start
+        # At most this many entries: capacity_entries, or fewer once the filesystem was found full
+        # (``device_full``); then a store evicts first, and takes the evicted entry's place, written before.
+        self.limit_entries = 0
         self.num_evictions = 0
         self.num_discarded = 0
         self._fds: list[int] = []
@@ -123,6 +129,7 @@ class DiskIndex(TierIndex):
                 self._ready[key] = None
                 taken.add(place)
         self._free = [p for p in range(self.capacity_entries - 1, -1, -1) if p not in taken]
+        self.limit_entries = self.capacity_entries
 
     @property
     def num_pins(self) -> int:
@@ -183,9 +190,9 @@ class DiskIndex(TierIndex):
         for key in dict.fromkeys(keys):
             if key in self._place_of:
                 continue
-            if not self._free and not self._evict_one():
+            if (not self._free or len(self._place_of) >= self.limit_entries) and not self._evict_one():
                 break
-            self._place_of[key] = self._free.pop()
+            self._place_of[key] = self._free.pop()  # last in: an evicted entry's place, if one was evicted
             self._writing.add(key)
             accepted.append(key)
         return accepted
@@ -199,6 +206,14 @@ class DiskIndex(TierIndex):
         for key in failed:  # the place may hold part of the write: its old header's checksum fails it
             self._writing.discard(key)
             self._free.append(self._place_of.pop(key))
+
+    def device_full(self) -> None:
+        held = max(1, len(self._place_of))
+        if held < self.limit_entries:
+            logger.warning("kvtier: the %s tier's filesystem (%s) is full at %d entries (%.1f MiB per rank), short of "
+                           "its bound of %d: it keeps at most %d from now on, evicting the oldest to make room",
+                           self.name, self.root, held, held * self.entry_bytes / 2**20, self.capacity_entries, held)
+            self.limit_entries = held
 
     def discard(self, key: bytes) -> None:
         """Drop an entry found corrupt or missing: a miss from now on, its place reused."""
@@ -349,7 +364,9 @@ class DiskStore(TierStore):
         entries_file(root, rank_fingerprint).parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         self._fds: dict[int, int] = {}  # file number -> descriptor, opened at first use
         self._fds_lock = threading.Lock()
-        self.back_off = WriteBackOff()
+        # A full filesystem pauses no write: told so, the index makes room by eviction, and the
+        # next writes go to places that were written before (the sparse file's space, taken).
+        self.back_off = WriteBackOff(full_pause_s=0.0)
 
     def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
         return [self._read_guarded(key, memoryview(self.host[slot]), location, sums, i)

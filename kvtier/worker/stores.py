@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.plans import JobReport, StoreJob
-from kvtier.tiers.base import unavailable
+from kvtier.tiers.base import is_device_full, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Store, chunk_blocks
 
@@ -172,6 +172,8 @@ class StorePath:
                 return
             if failed:
                 store.report.failed_writes.setdefault(tier, []).extend(failed)
+                if tier not in store.report.full_tiers and any(why and is_device_full(why) for why in reasons):
+                    store.report.full_tiers.append(tier)
             if store.writes_left == 0:
                 self._finish(store)
 
