@@ -355,6 +355,31 @@ def test_a_request_for_prompt_logprobs_is_computed_whole_and_the_next_one_loads(
     assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
 
 
+def test_each_lora_adapter_is_served_its_own_kv_and_never_the_bases(workdir, model):
+    """The same prompt with no adapter and with two LoRA adapters: three different KV caches. The
+    adapters' first requests load nothing (neither the base's KV nor each other's); a second round
+    and a new process (in vLLM's other layout) load each one's own, with outputs equal to recompute."""
+    from kvtier.demo.model import make_lora_adapter
+
+    adapters = {name: ["adapter-" + name, i + 1, str(make_lora_adapter(workdir / f"lora-{name}", model, seed=i))]
+                for i, name in enumerate("ab")}
+    prompt = [random.Random(31).randrange(3, 2000) for _ in range(12 * BLOCK + 7)]
+    engine = {**ENGINE, "max_lora_rank": 8}
+    rounds = [{"prompts": [prompt], "lora": adapters.get(name), "reset_prefix_cache": True} for name in ("base", "a", "b")]
+    reference = run_app(workdir, "lora-reference", {"model": model, "engine": engine, "warmup": False, "phases": rounds})
+    expected = [phase["outputs"]["0"]["tokens"] for phase in reference["phases"]]
+    assert len({tuple(tokens) for tokens in expected}) == 3  # each adapter changes the KV, and the answer
+    extra = {"host_bytes": "16MiB", "disk_dir": str(workdir / "lora-disk")}
+    spec = {"model": model, "engine": engine, "connector": "kvtier", "extra": extra, "warmup": False}
+    served = run_app(workdir, "lora", {**spec, "phases": rounds + rounds})
+    restarted = run_app(workdir, "lora-restarted", {**spec, "layout": "multiprocess", "phases": rounds[::-1]})
+    outputs = [phase["outputs"]["0"] for phase in served["phases"] + restarted["phases"][::-1]]
+    assert [output["tokens"] for output in outputs] == expected * 3
+    assert [output["cached"] for output in outputs[:3]] == [0, 0, 0]
+    assert all(output["cached"] == 12 * BLOCK for output in outputs[3:])
+    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+
 # Questions that repeat a few words, answered at length: n-gram drafts (vLLM's speculative decoding that
 # needs no draft model) are proposed at many steps, across block boundaries.
 _QUESTIONS = [[(7 * i) % 23 + 3 for i in range(n)] for n in (100, 2 * BLOCK + 1, 9 * BLOCK - 3)]

@@ -1,5 +1,5 @@
-"""Random-weight models, generated locally (nothing is downloaded): a Llama-architecture one, and
-an MLA one (DeepSeek-V2 architecture)."""
+"""Random-weight models, generated locally (nothing is downloaded): a Llama-architecture one, an
+MLA one (DeepSeek-V2 architecture), and LoRA adapters for the first."""
 
 from __future__ import annotations
 
@@ -56,6 +56,30 @@ def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256
         max_position_embeddings=8192, initializer_range=0.3, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False)
     return _write(path, DeepseekV2ForCausalLM(config).to(torch.bfloat16), settings)
+
+
+def make_lora_adapter(path: str | Path, model: str | Path, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter (PEFT's format) on the attention's q and v projections of a model
+    ``make_model`` wrote, large enough to change its outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, config = Path(path), json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    outputs = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for projection, out_features in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{projection}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, config["hidden_size"], generator=generator) * 0.3
+            weights[f"{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": list(outputs), "base_model_name_or_path": str(model)}))
+    return path
 
 
 def _written(path: Path, settings: dict) -> bool:

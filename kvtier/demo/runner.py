@@ -15,7 +15,9 @@ and ``append`` (a conversation's next turn); after phase i, ``OUT.json.phase<i>.
 is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
 (vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
 layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
-``"prompt_logprobs": k`` asks for each prompt token's logprob; a phase with
+``"prompt_logprobs": k`` asks for each prompt token's logprob; a sequential phase's
+``"lora": [name, id, path]`` runs its requests with that adapter (``make_llm``'s
+``max_lora_rank`` set in ``engine``); a phase with
 ``"drain": false`` is not followed by extra engine steps; ``"kv_transfer_params"`` goes
 with each of a phase's requests (as ``kvtier proxy`` hands a prefill answer's on); ``"idle_s"`` leaves the engine
 idle (no step) that long after the phase's ``done`` file is written. Before the phases, a
@@ -47,12 +49,12 @@ def _output_record(out) -> dict:
     }
 
 
-def run_sequential(engine, prompts, params, on_request=None) -> dict:
+def run_sequential(engine, prompts, params, on_request=None, lora_request=None) -> dict:
     outputs, ttfts = {}, []
     for i, prompt in enumerate(prompts):
         request_id = str(i)
         began = time.perf_counter()
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=lora_request)
         first_token = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -176,7 +178,8 @@ def main(spec_path: str, out_path: str) -> None:
         before = kvtier_state(llm) if inspect else None
         began = time.perf_counter()
         if phase.get("mode", "sequential") == "sequential":
-            record = run_sequential(engine, phase["prompts"], params, on_request=_progress_printer(phase))
+            record = run_sequential(engine, phase["prompts"], params, on_request=_progress_printer(phase),
+                                    lora_request=_lora_request(phase.get("lora")))
         else:
             record = run_concurrent(engine, phase["prompts"], params, phase.get("abort_probability", 0.0),
                                     phase.get("seed", 0))
@@ -207,6 +210,14 @@ def _sampling(sampling_params, max_tokens: int, prompt_logprobs: int | None = No
     ``skip_reading_prefix_cache``)."""
     return sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1,
                            prompt_logprobs=prompt_logprobs)
+
+
+def _lora_request(lora):
+    """A sequential phase's ``"lora": [name, id, path]``: its requests run with that adapter."""
+    if not lora:
+        return None
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(*lora)
 
 
 def _wait_for_file(path: str, timeout: float = 300.0) -> None:
