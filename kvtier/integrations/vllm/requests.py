@@ -102,3 +102,20 @@ class Requests:
                 state.store_job_ids = set()
                 state.block_ids = []
         return waits
+
+
+def unsupported(request) -> bool:
+    """A request whose KV depends on more than its token ids (images, prompt embeddings): kvtier
+    neither stores nor loads it."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+
+
+def loads_nothing(request, geometry) -> str | None:
+    """Why this request loads nothing, whatever the tiers hold (its misses' reason), or None."""
+    if not geometry.extends_loaded_kv:  # it would compute the prompt's rest wrongly over loaded KV
+        return "engine_cannot_load"
+    # Prompt logprobs (or the request's own wish): vLLM computes every prompt token, and before
+    # 0.31 it did not override a connector's hit for it, so that the loaded tokens' logprobs were wrong.
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return "request_skips_cache"
+    return None

@@ -19,7 +19,7 @@ from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsTracker
 from kvtier.integrations.vllm.namespace import EngineGeometry
-from kvtier.integrations.vllm.requests import Requests
+from kvtier.integrations.vllm.requests import Requests, loads_nothing, unsupported
 from kvtier.integrations.vllm.store_plans import StorePlans
 from kvtier.manager import TierManager
 
@@ -91,15 +91,11 @@ class SchedulerSide:
     def num_pending_jobs(self) -> int:
         return self.manager.num_pending if self.manager is not None else 0
 
-    @staticmethod
-    def _unsupported(request) -> bool:
-        return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-
     # --- vLLM scheduler hooks -------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.manager is None or self._unsupported(request):
+        if self.manager is None or unsupported(request):
             return 0, False
-        if self._reads_no_kv(request):
+        if loads_nothing(request, self.geometry):
             self._lookups[request.request_id] = num_computed_tokens  # its misses are counted at allocation
             return 0, False
         state = self.requests.state(request)
@@ -141,16 +137,6 @@ class SchedulerSide:
             return num_external, False
         return num_external, True
 
-    def _reads_no_kv(self, request) -> str | None:
-        """Why this request loads nothing, whatever the tiers hold (its misses' reason), or None."""
-        if not self.geometry.extends_loaded_kv:  # it would compute the prompt's rest wrongly over loaded KV
-            return "engine_cannot_load"
-        # Prompt logprobs (or the request's own wish): vLLM computes every prompt token, and before
-        # 0.31 it did not override a connector's hit for it, so that the loaded tokens' logprobs were wrong.
-        if getattr(request, "skip_reading_prefix_cache", False):
-            return "request_skips_cache"
-        return None
-
     def _handed_tokens(self, request) -> int:
         """The prompt tokens a producer said it stores, of those this instance loads (its full blocks
         only, unless it loads partial blocks too)."""
@@ -169,7 +155,7 @@ class SchedulerSide:
         # A lookup after a failed load: the failed blocks that no other tier delivers now count under the
         # failure's reason, and only once.
         counted = self.manager.ledger.settle(request.request_id, missed)
-        if no_kv := self._reads_no_kv(request):
+        if no_kv := loads_nothing(request, self.geometry):
             self.manager.ledger.count(no_kv, missed - counted)
         elif missed > counted:  # counted under the reason of the first block not found: the rest follow it
             full = self.requests.full_keys(state, request.num_tokens)
@@ -205,7 +191,7 @@ class SchedulerSide:
         store_jobs = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is None or self.manager is None or not self.stores_enabled or self._unsupported(state.request):
+            if state is None or self.manager is None or not self.stores_enabled or unsupported(state.request):
                 continue
             store_jobs += self.stores.plan(state, state.request.num_computed_tokens + num_scheduled)
         finished_store_jobs = self.stores.finish(self._send_waits) if self.manager is not None else []
@@ -276,7 +262,7 @@ class SchedulerSide:
             self.manager.waves.drop(request.request_id)
         if state is None or self.manager is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None  # vLLM itself holds a loading request's blocks until the load reports
-        if self.stores_enabled and not self._unsupported(request) and self.stores.keep_finishing(request, state):
+        if self.stores_enabled and not unsupported(request) and self.stores.keep_finishing(request, state):
             # Blocks the host pool had no free slot for: stored at the next steps, as its slots free;
             # vLLM keeps them until then, and steps while it does (``has_pending_push_work``).
             # A producer's answer says how many prompt tokens it stores: the decode instance waits for them.
