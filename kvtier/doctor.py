@@ -68,8 +68,10 @@ def check_disk(config: KVTierConfig) -> Check:
     except OSError as error:
         return Check("disk_dir", False, f"{path}: not usable ({error})")
     room = "room for" if free >= config.disk_bytes else "LESS than"
+    full = "" if free >= config.disk_bytes else "; once the filesystem is full, the tier keeps what it holds and evicts"
     return Check("disk_dir", True, f"{path}: writable; {free / 2**30:.1f} GiB free, {room} disk_bytes "
-                                   f"({config.disk_bytes / 2**30:.1f} GiB; the tier's file is sparse and fills as used)")
+                                   f"({config.disk_bytes / 2**30:.1f} GiB; the tier's file is sparse and fills as "
+                                   f"used{full})")
 
 
 def round_trip(spec) -> Check:
