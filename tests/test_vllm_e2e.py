@@ -246,39 +246,39 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
     from kvtier.demo.model import make_model
 
     window = 3 * BLOCK
-    mixed = str(make_model(workdir / "model_mixed", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
-                           layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=window))
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (10 * BLOCK + 5, 5 * BLOCK)]
     phase = {"prompts": prompts}
-    reference = run_app(workdir, "mixed-reference", {"model": mixed, "warmup": False, "phases": [phase]})
-    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "mixed-disk")}
-    served = run_app(workdir, "mixed", {"model": mixed, "connector": "kvtier", "extra": extra, "warmup": False,
-                                        "phases": [phase, {**phase, "reset_prefix_cache": True}]})
-    for i, tokens in enumerate(prompts):
-        assert served["phases"][1]["outputs"][str(i)]["tokens"] == reference["phases"][0]["outputs"][str(i)]["tokens"]
-        # Every full block but the one that ends at the last token, longer than the window.
-        assert served["phases"][1]["outputs"][str(i)]["cached"] >= (len(tokens) - 1) // BLOCK * BLOCK > window
-    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+    def served_twice(name, layer_types, sliding_window):
+        """Each prompt computed, then loaded: outputs equal to recompute; tokens loaded, per prompt."""
+        model = str(make_model(workdir / f"model_{name}", num_layers=len(layer_types), hidden_size=256, num_heads=4,
+                               num_kv_heads=2, layer_types=layer_types, sliding_window=sliding_window))
+        reference = run_app(workdir, f"{name}-reference", {"model": model, "warmup": False, "phases": [phase]})
+        extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / f"{name}-disk")}
+        served = run_app(workdir, name, {"model": model, "connector": "kvtier", "extra": extra, "warmup": False,
+                                         "phases": [phase, {**phase, "reset_prefix_cache": True}]})
+        outputs, expected = served["phases"][1]["outputs"], reference["phases"][0]["outputs"]
+        assert [outputs[str(i)]["tokens"] for i in range(len(prompts))] == \
+            [expected[str(i)]["tokens"] for i in range(len(prompts))]
+        assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+        return [outputs[str(i)]["cached"] for i in range(len(prompts))]
+
+    # Every full block but the one that ends at the last token, more than the window.
+    full = [(len(tokens) - 1) // BLOCK * BLOCK for tokens in prompts]
+    assert min(full) > window
+    for name, layer_types, sliding_window in (("mixed", ["sliding_attention", "full_attention"] * 2, window),
+                                              ("spanning", ["sliding_attention"] * 2, ENGINE["max_model_len"])):
+        cached = served_twice(name, layer_types, sliding_window)
+        assert all(tokens >= least for tokens, least in zip(cached, full)), (name, cached, full)
 
     sliding = str(make_model(workdir / "model_sliding", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                              layer_types=["sliding_attention"] * 2, sliding_window=window))
-    output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "extra": extra, "phases": []},
+    output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "phases": [],
+                                          "extra": {"host_bytes": "64MiB", "disk_dir": str(workdir / "sliding-disk")}},
                      expect_failure=True)
     assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output
     assert f"window of {window} tokens is shorter than max_model_len {ENGINE['max_model_len']}" in output
-
-    spanning = str(make_model(workdir / "model_spanning", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                              layer_types=["sliding_attention"] * 2, sliding_window=ENGINE["max_model_len"]))
-    reference = run_app(workdir, "spanning-reference", {"model": spanning, "warmup": False, "phases": [phase]})
-    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "spanning-disk")}
-    served = run_app(workdir, "spanning", {"model": spanning, "connector": "kvtier", "extra": extra, "warmup": False,
-                                           "phases": [phase, {**phase, "reset_prefix_cache": True}]})
-    for i, tokens in enumerate(prompts):
-        assert served["phases"][1]["outputs"][str(i)]["tokens"] == reference["phases"][0]["outputs"][str(i)]["tokens"]
-        assert served["phases"][1]["outputs"][str(i)]["cached"] >= (len(tokens) - 1) // BLOCK * BLOCK
-    assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
-
 
 
 def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdir, model):
