@@ -138,7 +138,8 @@ KEYS: dict[str, _Key] = {
     "disk_bytes": _Key(
         "16GiB", parse_bytes, lambda v: v > 0,
         "a byte count > 0, as an integer or a string such as '100GiB'",
-        "Byte capacity of the disk tier; least recently used entries are evicted beyond it."),
+        "Byte capacity of the disk tier; least recently used entries are evicted beyond it, or beyond what it "
+        "holds once its filesystem is found full."),
     "block_size": _Key(
         None, lambda v: None if v is None else _parse_int(v), lambda v: v is None or v > 0,
         "an integer > 0, or null to take the engine's",
