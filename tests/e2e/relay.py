@@ -12,12 +12,14 @@ import time
 class Relay:
     """Forwards 127.0.0.1:<port> to ``upstream``. Once the client has sent bytes containing
     ``arm_on``, every later answer is held ``delay_s`` before it is passed on, then sent one byte
-    per ``trickle_s`` (0: at once), and ``armed`` is set."""
+    per ``trickle_s`` (0: at once), and ``armed`` is set. ``client_gone`` is set once a client
+    has closed its connection (a cut call)."""
 
     def __init__(self, upstream: tuple[str, int], arm_on: bytes | None = None, delay_s: float = 0.0,
                  trickle_s: float = 0.0):
         self.upstream, self.arm_on, self.delay_s, self.trickle_s = upstream, arm_on, delay_s, trickle_s
         self.armed = threading.Event()
+        self.client_gone = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -55,6 +57,8 @@ class Relay:
         except OSError:
             pass
         finally:
+            if from_client:
+                self.client_gone.set()
             for s in (source, sink):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
