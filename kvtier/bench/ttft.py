@@ -27,9 +27,9 @@ from kvtier.demo.model import make_model
 
 FULL = dict(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, conversations=3, turns=3,
             history_tokens=1500, turn_tokens=150, num_blocks=160)
-COLD_PROMPTS = 3  # unique prompts per cold measurement, in each process
 QUICK = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, conversations=2, turns=2,
              history_tokens=600, turn_tokens=100, num_blocks=64)
+COLD_PROMPTS = 3  # unique prompts per cold measurement, in each process
 
 
 def _tokens(rng, n):

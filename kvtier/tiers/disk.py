@@ -12,7 +12,9 @@ block. No file is created per block: a write costs what the bytes cost.
 The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which key is in which place (found again
   at start-up from the places' headers), pins for loads in flight, LRU eviction
-  within ``disk_bytes``, or within what it holds once its filesystem is found full. It holds an exclusive lock on its files: several
+  within ``disk_bytes``, or within what it holds once its filesystem is found full
+  (``device_full``; the bound is not raised again while it runs). It holds an
+  exclusive lock on its files: several
   instances on one directory (vLLM servers on the GPUs of one node, all with the
   default ``disk_dir``) each take a file of their own, ``n`` = 0, 1, ..., and at a
   restart each takes back the first file no running instance holds. Instances

@@ -64,9 +64,8 @@ def _check_every_token_kept(spec, max_model_len: int) -> None:
     (and attention then reaches every token, as full attention does)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    if type(spec) is SlidingWindowSpec and spec.sliding_window >= max_model_len:
-        pass
-    elif type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+    spans_every_token = type(spec) is SlidingWindowSpec and spec.sliding_window >= max_model_len
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) and not spans_every_token:
         window = getattr(spec, "sliding_window", None)
         reach = f"; its window of {window} tokens is shorter than max_model_len {max_model_len}" if window else ""
         raise ValueError(f"kvtier needs a KV cache that keeps every token's KV in full-attention blocks; this "
