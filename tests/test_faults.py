@@ -342,21 +342,27 @@ def test_an_entry_key_file_that_is_unsafe_or_short_fails_at_start_up(tmp_path, m
         KVTierConfig.from_sources({"entry_key_file": str(path)}, environ={})
 
 
-def test_a_store_whose_copy_outlives_the_engines_wait_is_never_persisted(tmp_path):
+def test_a_store_whose_copy_outlives_the_engines_wait_is_never_persisted(tmp_path, monkeypatch):
     """The engine waits for a store's device reads (layer-wise end of step, preemption) and gives
     up: it reuses the blocks at once, so the copy may read new KV. That store is reported failed,
-    written to no tier and not kept in the host pool: nothing that may have raced is ever served."""
-    from kvtier.tiers.disk import entries_in
-    from tests.test_tiering import NB, Engine, keys_of
+    written to no tier and not kept in the host pool: nothing that may have raced is ever served.
+    The copy is held until the engine's wait has given up, so the race is certain, not timed."""
+    import threading
 
-    tensors = [torch.zeros(NB, 4, 4, 2 * 24 * 1024, dtype=torch.bfloat16) for _ in range(3)]  # 4.5 MiB a block
-    engine = Engine(tensors, str(tmp_path / "disk"), host_blocks=40, disk_blocks=64)
-    job = engine.manager.plan_store("r", keys_of(range(40)), list(range(40)))  # 180 MiB to copy
+    from kvtier.tiers.disk import entries_in
+    from tests.test_tiering import Engine, keys_of, layouts
+
+    engine = Engine(layouts()[0][1], str(tmp_path / "disk"), host_blocks=8, disk_blocks=64)
+    copier, gate = engine.worker.book.transfers._copier, threading.Event()
+    copy = copier._copy
+    monkeypatch.setattr(copier, "_copy", lambda *args, **kwargs: (gate.wait(30), copy(*args, **kwargs)))
+    job = engine.manager.plan_store("r", keys_of(range(4)), list(range(4)))
     engine.worker.submit_store(job)
-    assert not engine.worker.wait_for_device_reads([job.job_id], timeout=0.001)
+    assert not engine.worker.wait_for_device_reads([job.job_id], timeout=0.05)
+    gate.set()
     reports = engine.run([], engine.worker.submit_store, expect=1)
-    assert not reports[0].success and engine.manager.stats.failed_store_blocks == 40
-    assert engine.manager.lookup(keys_of(range(40)), token="after") == 0  # not in the host pool, not on disk
+    assert not reports[0].success and engine.manager.stats.failed_store_blocks == 4
+    assert engine.manager.lookup(keys_of(range(4)), token="after") == 0  # not in the host pool, not on disk
     assert not entries_in(tmp_path / "disk")
     assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0
     # The next store of the same blocks, waited for in time, is stored as usual.
@@ -364,6 +370,9 @@ def test_a_store_whose_copy_outlives_the_engines_wait_is_never_persisted(tmp_pat
     engine.worker.submit_store(job)
     assert engine.worker.wait_for_device_reads([job.job_id], timeout=30)
     assert engine.run([], engine.worker.submit_store, expect=1)[0].success
+    while (found := engine.manager.lookup(keys_of(range(2)), token="stored")) is None:
+        time.sleep(0.01)
+    assert found == 2
     engine.close()
 
 
