@@ -211,17 +211,21 @@ def _disk_engine(disk_dir, **config):
 
 
 @pytest.mark.parametrize("tier, fault", [("disk", "ENOSPC"), ("file", "ENOSPC"), ("file", "EROFS")])
-def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog, tier, fault):
+def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog, capfd, tier, fault):
     """A 64 KiB tmpfs under the tier (a real ENOSPC), or the same remounted read-only (a real
-    EROFS; the disk tier keeps its file open, so only the shared-directory tier can meet one):
-    the writes that fail are counted, one warning names the errno, what was written loads
-    byte-exact, pins go to 0. The disk tier, told that its filesystem is full, keeps what it holds
-    and makes room by eviction: the last blocks stored are the ones it holds, written whole."""
+    EROFS; the disk tier keeps its file open, so only the shared-directory tier can meet one).
+    Read-only: the writes that fail are counted, one warning names the errno, the tier pauses
+    and what was written loads byte-exact. Full: the tier keeps what it holds and makes room by
+    eviction, said once: the last blocks stored are the ones it holds, written whole (the disk
+    tier's index is told by the first failed writes; the shared directory's I/O side makes room
+    and writes again, so none fails). Pins go to 0 either way."""
     from tests.test_tiering import keys_of, randomize
 
     with _tmpfs(tmp_path / "fs", "64k") as fs:
         config = {} if tier == "disk" else {"remote_url": f"file://{fs}", "store_to": "remote"}
         engine = _disk_engine(fs if tier == "disk" else tmp_path / "disk", **config)
+        if tier == "file":  # an odd page: the entry that meets the end has its first page written (a short write)
+            (fs / "other").write_bytes(b"x" * 4096)
         randomize(engine.tensors)
         expected = [t[:4].clone() for t in engine.tensors]
         assert engine.store(keys_of(range(4)), list(range(4)))[0].success  # 4 blocks, 18 KiB: they fit
@@ -232,28 +236,75 @@ def test_a_full_or_read_only_disk_is_said_once_and_writes_pause(tmp_path, caplog
             for first in range(4, 44, 4):  # 40 more blocks, 180 KiB: past the filesystem's end
                 reports = engine.store(keys_of(range(first, first + 4)), list(range(first, first + 4)))
                 failed += reports[0].failed_writes.get(tier, [])
-        assert failed, "no write failed"
-        lines = [r.getMessage() for r in caplog.records if f"writes to tier {tier} failed" in r.getMessage()]
-        assert len(lines) == 1 and fault in lines[0]
+        said = [r.getMessage() for r in caplog.records] + capfd.readouterr().err.splitlines()  # the I/O process's too
+        lines = [line for line in said if f"writes to tier {tier} failed" in line]
         loaded = range(4)  # what was written before the fault: the tier pauses, and keeps it
-        if tier == "disk":
-            full = [r.getMessage() for r in caplog.records if "filesystem" in r.getMessage() and "is full" in r.getMessage()]
-            assert len(full) == 1 and len(failed) < 8  # the writes past the end of the first store that met it
+        if fault == "EROFS":
+            assert failed and len(lines) == 1 and fault in lines[0]
+        else:
+            full = [line for line in said if "filesystem" in line and "is full" in line]
+            assert len(full) == 1
+            if tier == "disk":
+                assert len(failed) < 8 and len(lines) == 1 and fault in lines[0]  # the writes past the end of the first store that met it
+                assert engine.manager.tier("disk").num_entries == engine.manager.tier("disk").limit_entries
+            else:
+                assert not failed and not lines
+                assert not list(fs.rglob("*.tmp"))  # no half-written entry left behind
             assert not set(failed) & set(keys_of(range(36, 44)))  # the latest are stored, older ones evicted
-            assert engine.manager.tier("disk").num_entries == engine.manager.tier("disk").limit_entries
-            loaded = range(36, 40)  # evicted from the 4 host slots by 40-43: read from disk
-            expected = [t[36:40].clone() for t in engine.tensors]
+            # Evicted from the 4 host slots by 40-43, read from the tier: among the 6 latest entries, which
+            # the tier holds (2 pages each, 64 KiB: 7 fit, 6 once the oldest are deleted to 90 %).
+            loaded = range(38, 40)
+            expected = [t[38:40].clone() for t in engine.tensors]
         for t in engine.tensors:
             t[loaded.start:loaded.stop] = 0
         while engine.manager.lookup(keys_of(loaded), token="r") is None:
             time.sleep(0.01)
-        job, report = engine.load(keys_of(loaded), [44, 45, 46, 47])
+        into = list(range(44, 44 + len(loaded)))
+        job, report = engine.load(keys_of(loaded), into)
         assert report.success and set(job.fill_from) <= {tier, None}
-        assert tier != "disk" or list(job.fill_from) == ["disk"] * 4
-        assert all(torch.equal(t[44:48].view(torch.int16), e.view(torch.int16))
+        assert fault == "EROFS" or list(job.fill_from) == [tier] * len(loaded)
+        assert all(torch.equal(t[into[0]:into[-1] + 1].view(torch.int16), e.view(torch.int16))
                    for t, e in zip(engine.tensors, expected))
         assert engine.manager.host.num_pins == 0 and engine.manager.num_pending == 0
         engine.close()
+
+
+def test_a_full_shared_directory_written_by_many_threads_makes_room_and_fails_no_write(tmp_path):
+    """Eight threads of one I/O process (``disk_io_threads`` is 2 by default) write 64 KiB entries
+    into a 2 MiB filesystem, 5 times what it holds: each that meets it full makes room or finds
+    room made, and writes again. No write fails, no temporary file is left, and the last entries
+    written are there, whole (room is made by deleting the oldest, down to 90 % of the 30
+    entries that fit, or further to leave room for the 8 writes in flight)."""
+    import threading
+
+    import numpy as np
+
+    from kvtier.entry import HEADER_BYTES
+    from kvtier.tiers.shared_dir import SharedDirStore
+
+    with _tmpfs(tmp_path / "fs", "2m") as fs:
+        store = SharedDirStore(str(fs), b"\x01" * 16, 1 << 16, None)
+        payload = memoryview(np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8))
+        failed, written, lock = [], [], threading.Lock()
+
+        def writes(thread):
+            for i in range(20):
+                key = (thread * 100 + i).to_bytes(16, "little")
+                try:
+                    store.write(key, payload)
+                    with lock:
+                        written.append(key)
+                except OSError as error:
+                    failed.append(error)
+
+        threads = [threading.Thread(target=writes, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failed and store.max_bytes is not None
+        assert not list(fs.rglob("*.tmp"))
+        assert all(store.path(key).stat().st_size == HEADER_BYTES + (1 << 16) for key in written[-4:])
 
 
 def test_a_shared_directory_deleted_under_a_running_instance_is_made_again_owner_only(tmp_path):
@@ -324,7 +375,8 @@ def test_with_an_entry_key_only_entries_tagged_with_that_key_load(tmp_path, capl
         with caplog.at_level(logging.WARNING, logger="kvtier.worker"):
             report = reader.run([job], reader.worker.submit_load)[0]
         assert sorted(report.failed_block_ids) == [30, 31, 32, 33]
-        assert sum(f"is a miss ({why})" in r.getMessage() for r in caplog.records) == 4
+        assert [r.getMessage() for r in caplog.records if f"({why})" in r.getMessage()] == \
+            [f"kvtier: 4 entries (the first {keys[0].hex()}) are misses ({why}); their blocks will be recomputed"]
         while (again := reader.manager.lookup(keys, token=f"again{first}")) is None:
             time.sleep(0.01)
         assert again == 0  # a rejected entry is not offered again

@@ -18,6 +18,7 @@ list of tiers and name none of them.
 from __future__ import annotations
 
 import errno
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -78,6 +79,28 @@ class WriteBackOff:
             self._why, self._full, self._until = why, full, time.monotonic() + pause_s
             self.num_pauses += 1
         return f"{full}write failed: {why}"
+
+
+def pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write all of ``buffers`` at ``offset``: a short write is continued, so that a full device
+    raises its own errno (ENOSPC) rather than passing for a write. The error carries the bytes
+    written before it (``written``)."""
+    left = sum(b.nbytes for b in buffers)
+    first = done = 0
+    while left:
+        try:
+            written = os.pwritev(fd, buffers[first:] if first else buffers, offset)
+            if written == 0:
+                raise OSError(f"no progress writing at {offset}")
+        except OSError as error:
+            error.written = done
+            raise
+        offset, left, done = offset + written, left - written, done + written
+        while left and written >= buffers[first].nbytes:  # a short write: on from where it stopped
+            written -= buffers[first].nbytes
+            first += 1
+        if left and written:
+            buffers[first] = buffers[first][written:]
 
 
 @dataclass(frozen=True)

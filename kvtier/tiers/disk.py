@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
-from kvtier.tiers.base import TierIndex, TierSpec, TierStore, WriteBackOff
+from kvtier.tiers.base import TierIndex, TierSpec, TierStore, WriteBackOff, pwritev_all
 
 logger = logging.getLogger("kvtier.disk")
 
@@ -318,28 +318,6 @@ def _runs(locations: Sequence[int], entry_bytes: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
-    """Write all of ``buffers`` at ``offset``: a short write is continued, so that a full device
-    raises its own errno (ENOSPC) rather than passing for a write. The error carries the bytes
-    written before it (``written``)."""
-    left = sum(b.nbytes for b in buffers)
-    first = done = 0
-    while left:
-        try:
-            written = os.pwritev(fd, buffers[first:] if first else buffers, offset)
-            if written == 0:
-                raise OSError(f"no progress writing at {offset}")
-        except OSError as error:
-            error.written = done
-            raise
-        offset, left, done = offset + written, left - written, done + written
-        while left and written >= buffers[first].nbytes:  # a short write: on from where it stopped
-            written -= buffers[first].nbytes
-            first += 1
-        if left and written:
-            buffers[first] = buffers[first][written:]
-
-
 def _written_places(fd: int, entry_bytes: int, capacity: int):
     """Places whose header lies in data: the holes of the sparse file are places never written."""
     end = capacity * entry_bytes
@@ -427,7 +405,7 @@ class DiskStore(TierStore):
             # Header, then payload, as the place holds them. Either may land first or alone: the
             # header's checksum covers the payload, so any mix of old and new bytes is a miss.
             buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key, check)), payload]
-        _pwritev_all(fd, buffers, offset)
+        pwritev_all(fd, buffers, offset)
 
     def read(self, key: bytes, out: memoryview, location: int, sums: list | None = None, at: int = 0) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:

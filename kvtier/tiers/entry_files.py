@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
-from kvtier.tiers.base import TierStore, WriteBackOff
+from kvtier.tiers.base import TierStore, WriteBackOff, pwritev_all
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -90,11 +90,10 @@ class EntryFiles(TierStore):
             fd = os.open(temporary, flags, _FILE_MODE)
         try:
             try:
-                written = os.writev(fd, [header, payload])
+                # A short write is continued: a filesystem that fills meanwhile raises ENOSPC then.
+                pwritev_all(fd, [memoryview(header), memoryview(payload).cast("B")], 0)
             finally:
                 os.close(fd)
-            if written != HEADER_BYTES + len(payload):
-                raise OSError(f"short write to {temporary}: {written} bytes")
             os.replace(temporary, path)  # the entry appears whole, or not at all
         except BaseException:
             _unlink_quietly(temporary)

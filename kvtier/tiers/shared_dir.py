@@ -9,13 +9,17 @@ into place), so a reader sees a whole entry or none, and checks it before use.
 No instance owns the directory, so the index keeps no list: existence is asked of
 the filesystem off the scheduler's thread, by ``stat()`` calls on a native thread
 that never takes the GIL (``ExistenceIndex``, ``_WholeEntries``). ``?max_bytes=100GiB``
-bounds what this instance's I/O process keeps there: past it, the oldest entries
-(by modification time; a read refreshes it) are deleted down to 90 %. Each instance
+bounds what this instance's I/O process keeps there: before a write would pass it, the
+oldest entries (by modification time; a read refreshes it) are deleted down to 90 %. Each instance
 enforces the bound on what it sees, so the directory stays near it, not under it.
+A filesystem that fills first (ENOSPC, EDQUOT) sets the bound where it filled, as
+the entries there take, and the write is tried again once room is made: a full
+directory keeps taking the latest blocks, not none of them.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -53,6 +57,7 @@ def validate(url: str) -> None:
 
 
 MAX_CHECKS = 64  # existence checks running at once in a process (a hung mount holds each one)
+_FULL_RETRIES = 3  # a write that meets a full filesystem is tried again this often, room made before each
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
@@ -125,6 +130,9 @@ class SharedDirStore(EntryFiles):
         self._entry_bytes = HEADER_BYTES + slot_bytes
         self._used = 0
         self._used_lock = threading.Lock()
+        self._room_lock = threading.Lock()
+        self._num_rooms = 0  # times room was made for a full filesystem
+        self._writing = 0  # writes in flight, each with a temporary file that takes room
         if max_bytes is not None:
             self._used = self._entry_bytes * sum(1 for _ in self._entries())
 
@@ -146,16 +154,56 @@ class SharedDirStore(EntryFiles):
     def write(self, key: bytes, payload: memoryview, check: int | None = None) -> None:
         if _size(self.path(key)) == self._entry_bytes:
             return  # another instance stored this block already: entries of one key are identical
-        super().write(key, payload, check)
         if self.max_bytes is not None:
             with self._used_lock:
                 self._used += self._entry_bytes
                 over = self._used > self.max_bytes
-            if over:
+            if over:  # before the write: a bound learned from a full filesystem is not met again
                 self._shrink()
+        for attempt in range(_FULL_RETRIES + 1):
+            rooms = self._num_rooms  # read before the write: room made after it began is room for it
+            try:
+                with self._used_lock:
+                    self._writing += 1
+                try:
+                    return super().write(key, payload, check)
+                finally:
+                    with self._used_lock:
+                        self._writing -= 1
+            except OSError as error:
+                # Other threads' writes may take the room made before this one's turn: a few more
+                # tries, each after room is made again; a filesystem still full goes to the back-off.
+                if attempt == _FULL_RETRIES or error.errno not in (errno.ENOSPC, errno.EDQUOT) \
+                        or not self._make_room(rooms):
+                    raise
+
+    def _make_room(self, rooms_seen: int) -> bool:
+        """The filesystem is full: bound this instance at what its entries take now, less room for
+        the writes in flight (each one's temporary file takes an entry's room), and delete the
+        oldest to 90 % of that; True if room was made, by this call or another thread's since
+        ``rooms_seen``. False where this rank has no entry to delete (the space is others')."""
+        with self._room_lock:  # one thread makes room; those that met the same full filesystem write again
+            if self._num_rooms != rooms_seen:
+                return True
+            held = sum(1 for _ in self._entries())
+            if held == 0:
+                return False
+            with self._used_lock:
+                bound = max(1, held - self._writing) * self._entry_bytes
+            if self.max_bytes is None or bound < self.max_bytes:
+                logger.warning("kvtier: shared directory %s: its filesystem is full at %d entries of this rank "
+                               "(%.1f MiB)%s: at most %d kept from now on, the oldest deleted to make room",
+                               self.root, held, held * self._entry_bytes / 2**20,
+                               "" if self.max_bytes is None else f", short of max_bytes={self.max_bytes}",
+                               bound // self._entry_bytes)
+                self.max_bytes = bound
+            self._shrink()
+            self._num_rooms += 1
+            return True
 
     def _shrink(self) -> None:
-        """Delete the oldest entries until 90 % of ``max_bytes`` is used."""
+        """Delete the oldest entries until 90 % of ``max_bytes`` is used, the entry about to be
+        written counted."""
         with self._used_lock:
             entries = []
             for entry in self._entries():
@@ -164,7 +212,7 @@ class SharedDirStore(EntryFiles):
                 except OSError:
                     continue
             entries.sort()
-            used = len(entries) * self._entry_bytes
+            used = (len(entries) + 1) * self._entry_bytes
             target = int(0.9 * self.max_bytes)
             removed = 0
             for _, path in entries:

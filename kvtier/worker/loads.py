@@ -118,6 +118,7 @@ class LoadPath:
         if self.verifier is not None:
             self.verifier.received([s for s, why in zip(slots, reasons) if why is None])
         usable_blocks, usable_slots, usable_keys, expected = [], [], [], []
+        misses: dict[str, list[bytes]] = {}  # reason -> its entries: one line each (a pool's eviction misses many)
         with self.book.lock:
             for i, (block, slot, key, why) in enumerate(zip(blocks, slots, keys, reasons)):
                 if why is None:
@@ -127,10 +128,16 @@ class LoadPath:
                     usable_keys.append(key)
                     expected.append(None if sums is None else sums[i])
                     continue
-                logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", key.hex(), why)
+                misses.setdefault(why, []).append(key)
                 load.report.failed_block_ids.append(block)
                 if is_bad_entry(why):  # not a tier that could not be asked: the entry itself is bad
                     load.report.bad_keys.append(key)
+            for why, missed in misses.items():
+                if len(missed) == 1:
+                    logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", missed[0].hex(), why)
+                else:
+                    logger.warning("kvtier: %d entries (the first %s) are misses (%s); their blocks will be recomputed",
+                                   len(missed), missed[0].hex(), why)
             load.fills_left -= 1
             last, abandoned = load.fills_left == 0, load.abandoned
             if last:
