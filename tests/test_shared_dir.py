@@ -70,6 +70,25 @@ def test_a_damaged_shared_entry_is_a_miss_and_is_not_offered_again(shared):
     reader.close()
 
 
+def test_an_entry_deleted_between_lookup_and_load_is_a_miss_but_not_shunned(shared):
+    """Another instance's size bound (or a full filesystem) deletes an entry after this one's
+    lookup found it: the load fails for that block (recompute), but nothing is wrong with the
+    tier's entries: it is not counted as damaged, and once stored again it is offered at once."""
+    writer, reader = Instance(f"file://{shared}"), Instance(f"file://{shared}")
+    writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
+    assert reader.lookup(keys_of([1, 2]), token="first") == 2
+    entry_path(shared, writer.worker.rank_fingerprint, keys_of([1])[0]).unlink()
+    report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
+    assert report.failed_block_ids == [5] and not report.bad_keys
+    assert reader.manager.stats.bad_entries == 0 and reader.manager.stats.failed_load_blocks == 1
+    third = Instance(f"file://{shared}")  # recomputes the block and stores it again
+    third.run(third.manager.plan_store("b", keys_of([1]), [1]), third.worker.submit_store)
+    assert reader.lookup(keys_of([1, 2]), token="again") == 2
+    assert reader.manager.host.num_pins == 0
+    for instance in (writer, reader, third):
+        instance.close()
+
+
 def test_max_bytes_bounds_the_directory(shared):
     probe = Instance(f"file://{shared}")
     entry = HEADER_BYTES + probe.worker.layout.slot_bytes

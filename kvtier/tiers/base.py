@@ -34,8 +34,18 @@ def unavailable(why: str) -> str:
     return UNAVAILABLE + why
 
 
+GONE = "gone: "
+
+
+def gone(why: str) -> str:
+    """A read's reason when the entry is no longer there (evicted since the lookup found it, by
+    this instance or another): nothing is wrong with the tier's entries, so the block, stored
+    again, is offered again at once, unlike a corrupt or foreign one's."""
+    return GONE + why
+
+
 def is_bad_entry(reason: str) -> bool:
-    return not reason.startswith(UNAVAILABLE)
+    return not reason.startswith((UNAVAILABLE, GONE))
 
 
 # A write's reason when the tier's filesystem had no room for it (ENOSPC, EDQUOT): the index

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
-from kvtier.tiers.base import TierStore, WriteBackOff, pwritev_all
+from kvtier.tiers.base import TierStore, WriteBackOff, gone, pwritev_all
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -109,7 +109,7 @@ class EntryFiles(TierStore):
         try:
             fd = os.open(self.path(key), os.O_RDONLY)
         except FileNotFoundError:
-            return "missing"
+            return gone("missing")
         except OSError as error:
             return f"unreadable: {error}"
         try:

@@ -130,7 +130,7 @@ class LoadPath:
                     continue
                 misses.setdefault(why, []).append(key)
                 load.report.failed_block_ids.append(block)
-                if is_bad_entry(why):  # not a tier that could not be asked: the entry itself is bad
+                if is_bad_entry(why):  # not a tier that could not be asked, nor an entry gone: the entry itself is bad
                     load.report.bad_keys.append(key)
             for why, missed in misses.items():
                 if len(missed) == 1:
