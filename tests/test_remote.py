@@ -109,6 +109,33 @@ def test_corrupt_truncated_and_foreign_pool_entries_are_misses(tmp_path):
         reader.close()
 
 
+def test_a_pool_entry_evicted_between_lookup_and_load_is_a_miss_but_not_shunned(pool):
+    """The pool evicts a value after the lookup found it: the load fails for that block
+    (recompute), but the entry is not counted as damaged, and once stored again (by the
+    instance that recomputed it) it is offered at once."""
+    writer, reader = Instance(pool.url), Instance(pool.url)
+    writer.run(writer.manager.plan_store("a", keys_of([1, 2]), [1, 2]), writer.worker.submit_store)
+    assert reader.lookup(keys_of([1, 2]), token="first") == 2
+    name = pool_key(writer.worker.rank_fingerprint, keys_of([1])[0])
+    if pool.url.startswith("redis"):
+        import redis
+        assert redis.Redis.from_url(pool.url).delete(name) == 1
+    else:
+        from kvtier.tiers.mooncake import MooncakeClient
+        raw = MooncakeClient(pool.url, 10.0)
+        assert raw._store.remove(name, True) == 0
+        raw.close()
+    report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
+    assert report.failed_block_ids == [5] and not report.bad_keys
+    assert reader.manager.stats.bad_entries == 0 and reader.manager.stats.failed_load_blocks == 1
+    third = Instance(pool.url)
+    third.run(third.manager.plan_store("b", keys_of([1]), [1]), third.worker.submit_store)
+    assert reader.lookup(keys_of([1, 2]), token="again") == 2
+    assert reader.manager.host.num_pins == 0
+    for instance in (writer, reader, third):
+        instance.close()
+
+
 def test_a_pool_that_is_down_costs_bounded_time_and_comes_back(tmp_path):
     with local_redis(log_path=str(tmp_path / "redis.log")) as server:
         instance = Instance(server.url)
@@ -195,7 +222,7 @@ def test_redis_gets_fill_their_buffers_byte_exact_whatever_the_pool_holds(tmp_pa
                     client._client.rpush(name, value)
             into = [(np.zeros(HEADER_BYTES, np.uint8), np.zeros(size, np.uint8)) for _, size in entries]
             found = client.get_into(names, [memoryview(h) for h, _ in into], [memoryview(p) for _, p in into])
-            assert found == [kind == "whole" for kind, _ in entries]
+            assert found == [True if kind == "whole" else None if kind == "absent" else False for kind, _ in entries]
             for i in whole:
                 assert np.array_equal(into[i][0], headers[i]) and np.array_equal(into[i][1], payloads[i])
             assert client.exists(names) == [kind != "absent" for kind, _ in entries]  # the connection is in step

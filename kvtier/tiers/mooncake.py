@@ -30,6 +30,7 @@ from kvtier.tiers.base import TierSpec
 from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, Spans, make_pool_index, outside_calls
 from kvtier.units import parse_bytes
 
+_OBJECT_NOT_FOUND = -704  # a batch get's code for a key the store does not hold (Mooncake's ErrorCode)
 
 def validate(url: str) -> None:
     parsed = urlparse(url)
@@ -122,7 +123,7 @@ class MooncakeClient(PoolClient):
             codes = self._store.batch_put_from_multi_buffers(list(names), *_pieces(headers, payloads))
         return [code == 0 for code in codes]  # 0 too where the entry was there already: it is stored
 
-    def get_into(self, names, headers, payloads) -> list[bool]:
+    def get_into(self, names, headers, payloads) -> list[bool | None]:
         if not names:
             return []
         runs = _runs(headers, payloads)
@@ -130,7 +131,8 @@ class MooncakeClient(PoolClient):
             codes = self._store.batch_get_into(list(names), *runs)
         else:
             codes = self._store.batch_get_into_multi_buffers(list(names), *_pieces(headers, payloads))
-        return [code == len(h) + len(p) for code, h, p in zip(codes, headers, payloads)]
+        return [True if code == len(h) + len(p) else None if code == _OBJECT_NOT_FOUND else False
+                for code, h, p in zip(codes, headers, payloads)]
 
     def close(self) -> None:
         self._store.close()

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.redact import redact
-from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, unavailable
+from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, gone, unavailable
 
 logger = logging.getLogger("kvtier.pool")
 
@@ -57,9 +57,10 @@ class PoolClient(ABC):
 
     @abstractmethod
     def get_into(self, names: Sequence[str], headers: Sequence[memoryview],
-                 payloads: Sequence[memoryview]) -> list[bool]:
-        """Read each value into its header and payload buffers; False where it
-        is absent or not exactly that long. The buffers are ``Spans`` as ``put``'s are."""
+                 payloads: Sequence[memoryview]) -> list[bool | None]:
+        """Read each value into its header and payload buffers: True where it was read whole, None
+        where there is no such value (evicted, expired, never put), False where it is there but not
+        exactly that long, or not a plain value. The buffers are ``Spans`` as ``put``'s are."""
 
     def register(self, address: int, num_bytes: int) -> None:
         """Offer host memory for zero-copy transfers (a no-op where unsupported)."""
@@ -514,8 +515,9 @@ class PoolStore(TierStore):
         found = self.client.call("get_into", [pool_key(self.rank_fingerprint, key) for key in keys], heads, slots)
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
+        # A value gone since the lookup found it (the pool evicted it) is a miss, not a bad entry.
         return [check_entry(bytes(head), slot, self.rank_fingerprint, key, self.slot_bytes, self.mac_key, sums, i)
-                if hit else "missing or wrong size in the storage pool"
+                if hit else gone("no longer in the storage pool") if hit is None else "wrong size in the storage pool"
                 for i, (key, head, slot, hit) in enumerate(zip(keys, heads, slots, found))]
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:

@@ -103,7 +103,7 @@ class RedisClient(PoolClient):
         finally:
             pool.release(connection)
 
-    def get_into(self, names, headers, payloads) -> list[bool]:
+    def get_into(self, names, headers, payloads) -> list[bool | None]:
         if not names:
             return []
         if not self._cluster:
@@ -115,7 +115,7 @@ class RedisClient(PoolClient):
         found = []
         for value, header, payload in zip(pipe.execute(), headers, payloads):
             if value is None or len(value) != len(header) + len(payload):
-                found.append(False)
+                found.append(None if value is None else False)
                 continue
             view = memoryview(value)
             header[:] = view[:len(header)]
@@ -186,20 +186,22 @@ class _ValueReader:
                 raise ConnectionError("the connection closed mid-value")
             used += got
 
-    def values_into(self, headers, payloads) -> list[bool]:
+    def values_into(self, headers, payloads) -> list[bool | None]:
         return [self.value_into(header, payload) for header, payload in zip(headers, payloads)]
 
-    def value_into(self, header: memoryview, payload: memoryview) -> bool:
-        """The next reply into ``header`` then ``payload``; False if it is absent, an error (a key of
-        another type), or not exactly their length (then it is read past, not kept)."""
+    def value_into(self, header: memoryview, payload: memoryview) -> bool | None:
+        """The next reply into ``header`` then ``payload``; None if there is no such key, False if it
+        is an error (a key of another type) or not exactly their length (then it is read past, not kept)."""
         line = self._line()
-        if line[:1] in (b"-", b"_"):  # an error for this GET alone; RESP3's null
+        if line[:1] == b"_":  # RESP3's null: no such key
+            return None
+        if line[:1] == b"-":  # an error for this GET alone
             return False
         if line[:1] != b"$":
             raise ConnectionError(f"unexpected reply {line[:16]!r}")
         length = int(line[1:])
         if length < 0:  # RESP2's null: no such key
-            return False
+            return None
         fits = length == len(header) + len(payload)
         if fits:
             self._fill(memoryview(header).cast("B"))
