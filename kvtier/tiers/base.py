@@ -58,8 +58,8 @@ def is_device_full(reason: str) -> bool:
 
 
 # Errors that the next write will meet too: the device is full, read-only or failing.
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_LASTING_ERRNOS = _FULL_ERRNOS | {errno.EROFS, errno.EFBIG, errno.EIO}
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_LASTING_ERRNOS = FULL_ERRNOS | {errno.EROFS, errno.EFBIG, errno.EIO}
 
 
 class WriteBackOff:
@@ -83,7 +83,7 @@ class WriteBackOff:
         """A write raised ``error``: its reason, errno named; a lasting error pauses the writes."""
         code = getattr(error, "errno", None)
         why = f"{errno.errorcode.get(code, code)}: {getattr(error, 'strerror', None) or error}" if code else repr(error)
-        full = DEVICE_FULL if code in _FULL_ERRNOS else ""
+        full = DEVICE_FULL if code in FULL_ERRNOS else ""
         pause_s = self.full_pause_s if full else self.pause_s
         if code in _LASTING_ERRNOS and pause_s > 0:
             self._why, self._full, self._until = why, full, time.monotonic() + pause_s

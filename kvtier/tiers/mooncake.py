@@ -32,6 +32,7 @@ from kvtier.units import parse_bytes
 
 _OBJECT_NOT_FOUND = -704  # a batch get's code for a key the store does not hold (Mooncake's ErrorCode)
 
+
 def validate(url: str) -> None:
     parsed = urlparse(url)
     if not parsed.hostname:

@@ -19,7 +19,7 @@ directory keeps taking the latest blocks, not none of them.
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import os
 import threading
@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvtier._native import stat_batch
 from kvtier.entry import HEADER_BYTES
-from kvtier.tiers.base import ExistenceIndex, TierSpec
+from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierSpec
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 from kvtier.units import parse_bytes
 
@@ -160,22 +160,36 @@ class SharedDirStore(EntryFiles):
                 over = self._used > self.max_bytes
             if over:  # before the write: a bound learned from a full filesystem is not met again
                 self._shrink()
+        try:
+            self._write_in_room(key, payload, check)
+        except OSError:
+            if self.max_bytes is not None:
+                with self._used_lock:
+                    self._used -= self._entry_bytes  # not written: it takes no room
+            raise
+
+    def _write_in_room(self, key: bytes, payload: memoryview, check: int | None) -> None:
         for attempt in range(_FULL_RETRIES + 1):
             rooms = self._num_rooms  # read before the write: room made after it began is room for it
             try:
-                with self._used_lock:
-                    self._writing += 1
-                try:
+                with self._in_flight():
                     return super().write(key, payload, check)
-                finally:
-                    with self._used_lock:
-                        self._writing -= 1
             except OSError as error:
                 # Other threads' writes may take the room made before this one's turn: a few more
                 # tries, each after room is made again; a filesystem still full goes to the back-off.
-                if attempt == _FULL_RETRIES or error.errno not in (errno.ENOSPC, errno.EDQUOT) \
-                        or not self._make_room(rooms):
+                if attempt == _FULL_RETRIES or error.errno not in FULL_ERRNOS or not self._make_room(rooms):
                     raise
+
+    @contextlib.contextmanager
+    def _in_flight(self):
+        """Counts a write in flight while its temporary file takes room."""
+        with self._used_lock:
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._used_lock:
+                self._writing -= 1
 
     def _make_room(self, rooms_seen: int) -> bool:
         """The filesystem is full: bound this instance at what its entries take now, less room for
