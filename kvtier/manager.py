@@ -286,11 +286,14 @@ class TierManager:
 
     def _complete_load(self, job: LoadJob, reports: list[JobReport], bad_keys: set[bytes]) -> None:
         failed_blocks = {b for r in reports for b in r.failed_block_ids}
+        gone_keys = {key for r in reports for key in r.gone_keys} - bad_keys
         self.stats.failed_load_blocks += len(failed_blocks)
         failed_reads = len(failed_blocks - set(job.missing_block_ids))  # planned, then not loaded: recomputed
         if failed_reads:
             abandoned = any(r.held_slot_ids for r in reports)
-            reason = "load_abandoned" if abandoned else "damaged" if bad_keys else "load_failed"
+            gone_from = [source for key, source in zip(job.fill_keys, job.fill_from) if key in gone_keys]
+            reason = ("load_abandoned" if abandoned else "damaged" if bad_keys
+                      else f"evicted_{gone_from[0]}" if gone_from else "load_failed")
             self.ledger.count_failed_load(job.req_id, reason, failed_reads)
             # vLLM reschedules the request: it is not read again from the tiers it failed from.
             self.lookups.load_failed(job.req_id, {source for block_id, source in zip(job.fill_block_ids, job.fill_from)
@@ -310,7 +313,7 @@ class TierManager:
             if keys:
                 # An entry that failed to load is dropped (a tier's own entries) or not offered for a
                 # while (a shared tier's); else the engine would ask for the same broken block forever.
-                tier.complete_load(keys, [k for k in keys if k in bad_keys])
+                tier.complete_load(keys, [k for k in keys if k in bad_keys], [k for k in keys if k in gone_keys])
         for block_id, key in zip(job.ready_block_ids, job.ready_keys):
             if block_id in failed_blocks:
                 self.host.discard(key)

@@ -76,7 +76,8 @@ class JobReport:
     is_load: bool
     success: bool  # every block of the job moved
     failed_block_ids: list[int] = field(default_factory=list)  # loads: blocks to recompute
-    bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated, foreign or missing
+    bad_keys: list[bytes] = field(default_factory=list)  # entries found corrupt, truncated or foreign
+    gone_keys: list[bytes] = field(default_factory=list)  # entries no longer there: evicted or expired since the lookup
     failed_writes: dict[str, list[bytes]] = field(default_factory=dict)  # stores: tier name -> keys not written
     full_tiers: list[str] = field(default_factory=list)  # stores: tiers whose filesystem had no room for a write
     # Loads abandoned after load_timeout_s: slots a read may still write into. They stay

@@ -126,8 +126,12 @@ def test_a_pool_entry_evicted_between_lookup_and_load_is_a_miss_but_not_shunned(
         assert raw._store.remove(name, True) == 0
         raw.close()
     report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
-    assert report.failed_block_ids == [5] and not report.bad_keys
+    assert report.failed_block_ids == [5] and not report.bad_keys and report.gone_keys == keys_of([1])
     assert reader.manager.stats.bad_entries == 0 and reader.manager.stats.failed_load_blocks == 1
+    tier = pool.url.split(":")[0]  # "redis" or "mooncake": the tier's name
+    reader.manager.ledger.forget("first")  # the request ends: its failed block was recomputed
+    assert reader.manager.ledger.misses == {f"evicted_{tier}": reader.manager.ledger.block_tokens}
+    assert reader.manager.ledger.gone(keys_of([1])[0]) == f"evicted_{tier}"  # a later miss of it says so too
     third = Instance(pool.url)
     third.run(third.manager.plan_store("b", keys_of([1]), [1]), third.worker.submit_store)
     assert reader.lookup(keys_of([1, 2]), token="again") == 2

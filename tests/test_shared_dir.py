@@ -79,8 +79,11 @@ def test_an_entry_deleted_between_lookup_and_load_is_a_miss_but_not_shunned(shar
     assert reader.lookup(keys_of([1, 2]), token="first") == 2
     entry_path(shared, writer.worker.rank_fingerprint, keys_of([1])[0]).unlink()
     report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
-    assert report.failed_block_ids == [5] and not report.bad_keys
+    assert report.failed_block_ids == [5] and not report.bad_keys and report.gone_keys == keys_of([1])
     assert reader.manager.stats.bad_entries == 0 and reader.manager.stats.failed_load_blocks == 1
+    reader.manager.ledger.forget("first")  # the request ends: its failed block was recomputed
+    assert reader.manager.ledger.misses == {"evicted_file": reader.manager.ledger.block_tokens}
+    assert reader.manager.ledger.gone(keys_of([1])[0]) == "evicted_file"  # a later miss of it says so too
     third = Instance(f"file://{shared}")  # recomputes the block and stores it again
     third.run(third.manager.plan_store("b", keys_of([1]), [1]), third.worker.submit_store)
     assert reader.lookup(keys_of([1, 2]), token="again") == 2

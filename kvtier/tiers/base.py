@@ -48,6 +48,10 @@ def is_bad_entry(reason: str) -> bool:
     return not reason.startswith((UNAVAILABLE, GONE))
 
 
+def is_gone(reason: str) -> bool:
+    return reason.startswith(GONE)
+
+
 # A write's reason when the tier's filesystem had no room for it (ENOSPC, EDQUOT): the index
 # is told (``TierIndex.device_full``), so that it makes room among its own entries.
 DEVICE_FULL = "device full: "
@@ -150,8 +154,9 @@ class TierIndex(ABC):
     def prepare_load(self, keys: Sequence[bytes]) -> None:
         """Keep these entries loadable until ``complete_load`` (pin them against eviction)."""
 
-    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes]) -> None:
-        """The loads of ``keys`` are over; ``bad_keys`` were found corrupt, foreign or gone."""
+    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes], gone_keys: Sequence[bytes] = ()) -> None:
+        """The loads of ``keys`` are over; ``bad_keys`` were found corrupt or foreign, ``gone_keys``
+        no longer there (evicted or expired since the lookup)."""
 
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
         """Reserve room; returns the keys to write (those the tier does not hold, that fit)."""
@@ -344,9 +349,12 @@ class ExistenceIndex(TierIndex):
                               if answer[2] is None or not any(not hit and key in written
                                                              for key, hit in zip(answer[0], answer[2]))}
 
-    def complete_load(self, keys, bad_keys):
+    def complete_load(self, keys, bad_keys, gone_keys=()):
         if self.holdings is not None:  # a damaged entry is not offered again: not loadable from here
             self.holdings += [("damaged", self.name, key) for key in bad_keys]
+            # Evicted by another instance or by the store itself: the fleet hears that it is gone, and a
+            # later miss of it is explained as evicted from this tier. Stored again, it is offered again.
+            self.holdings += [("evicted", self.name, key) for key in gone_keys]
         until = time.monotonic() + self._failed_ttl_s
         for key in bad_keys:
             self._failed[key] = until

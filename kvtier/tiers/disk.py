@@ -172,14 +172,15 @@ class DiskIndex(TierIndex):
         for key in keys:
             self._pins[key] = self._pins.get(key, 0) + 1
 
-    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes] = ()) -> None:
+    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes] = (),
+                      gone_keys: Sequence[bytes] = ()) -> None:
         for key in keys:
             pins = self._pins[key] - 1
             if pins:
                 self._pins[key] = pins
             else:
                 del self._pins[key]
-        for key in bad_keys:  # after the pins are gone, so that discarding works
+        for key in (*bad_keys, *gone_keys):  # after the pins are gone, so that discarding works
             self.discard(key)
 
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:

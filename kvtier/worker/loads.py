@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.plans import JobReport, LoadJob
-from kvtier.tiers.base import is_bad_entry, unavailable
+from kvtier.tiers.base import is_bad_entry, is_gone, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Load, chunk_blocks
 
@@ -132,6 +132,8 @@ class LoadPath:
                 load.report.failed_block_ids.append(block)
                 if is_bad_entry(why):  # not a tier that could not be asked, nor an entry gone: the entry itself is bad
                     load.report.bad_keys.append(key)
+                elif is_gone(why):
+                    load.report.gone_keys.append(key)
             for why, missed in misses.items():
                 if len(missed) == 1:
                     logger.warning("kvtier: entry %s is a miss (%s); its block will be recomputed", missed[0].hex(), why)

@@ -89,8 +89,8 @@ class KVEvents:
 
     def events(self, holdings: list[tuple[str, str, bytes]], block_size: int, announcing: bool = False) -> list:
         """Events for ``holdings``. A shared tier's blocks are announced but not tracked (other
-        instances and the pool's own eviction change them unseen): only a damaged entry dropped
-        from one is told as removed; this instance's own tiers are told both ways."""
+        instances and the pool's own eviction change them unseen): only an entry that a load found
+        damaged or gone is told as removed; this instance's own tiers are told both ways."""
         out = []
         for kind, tier, key in holdings:
             meta = self._meta.get(key)

@@ -44,7 +44,8 @@ TIER_COUNTERS = {
 # Counters with a ``reason`` label: why prompt tokens were missed. At lookup, by the first block
 # that no tier held ("never_stored", "evicted_<tier>", "damaged", "pool_down_or_slow",
 # "no_free_host_slot", "partial_block", "producer_late", "engine_cannot_load", "request_skips_cache");
-# at load, blocks planned and then recomputed ("load_abandoned", "damaged", "load_failed"). Keyed
+# at load, blocks planned and then recomputed ("load_abandoned", "damaged", "evicted_<tier>": gone since
+# the lookup, "load_failed"). Keyed
 # "<name>|<reason>" in ``KVTierStats.data``.
 REASON_COUNTERS = {
     "miss_tokens_by_reason": "Prompt tokens that no tier held, by why the first of them was not found",
