@@ -283,6 +283,12 @@ class TierManager:
                 self.tier(name).device_full()
             self.stats.written_blocks[name] += len(written)
             self.stats.failed_writes[name] += len(keys) - len(written)
+        deleted: dict[str, dict[bytes, None]] = {}  # tier -> entries its store deleted, each rank's its own shards
+        for r in reports:
+            for name, keys in r.deleted.items():
+                deleted.setdefault(name, {}).update(dict.fromkeys(keys))
+        for name, keys in deleted.items():  # after this job's own writes: a later deletion is the latest news
+            self.tier(name).deleted_by_store(list(keys))
 
     def _complete_load(self, job: LoadJob, reports: list[JobReport], bad_keys: set[bytes]) -> None:
         failed_blocks = {b for r in reports for b in r.failed_block_ids}

@@ -80,6 +80,7 @@ class JobReport:
     gone_keys: list[bytes] = field(default_factory=list)  # entries no longer there: evicted or expired since the lookup
     failed_writes: dict[str, list[bytes]] = field(default_factory=dict)  # stores: tier name -> keys not written
     full_tiers: list[str] = field(default_factory=list)  # stores: tiers whose filesystem had no room for a write
+    deleted: dict[str, list[bytes]] = field(default_factory=dict)  # stores: tier name -> entries its store deleted (bound)
     # Loads abandoned after load_timeout_s: slots a read may still write into. They stay
     # reserved until the worker reports them released (``released_slot_ids``).
     held_slot_ids: list[int] = field(default_factory=list)

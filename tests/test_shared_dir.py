@@ -104,6 +104,13 @@ def test_max_bytes_bounds_the_directory(shared):
     assert len(files) * entry <= 10 * entry
     newest = entry_path(shared, bounded.worker.rank_fingerprint, keys_of([15])[0])
     assert newest.exists()  # the oldest go first
+    # The scheduler's index hears what the bound deleted: a later miss of it is explained, and
+    # KV events tell the fleet the tier no longer holds it.
+    ledger = bounded.manager.ledger
+    deleted = [key for key in keys_of(range(16)) if not entry_path(shared, bounded.worker.rank_fingerprint, key).exists()]
+    assert len(deleted) >= 6 and keys_of([0])[0] in deleted
+    assert {key: ledger.gone(key) for key in keys_of(range(16))} == {
+        key: "evicted_file" if key in deleted else None for key in keys_of(range(16))}
     bounded.close()
 
 

@@ -257,6 +257,8 @@ class IOProcess:
                     continue
                 if isinstance(message, Found):
                     entry[1](message)
+                elif message.deleted:  # a write's, with entries its store deleted to stay within its bound
+                    entry[1](message.reasons, deleted=message.deleted)
                 elif message.checksums is None:
                     entry[1](message.reasons)
                 else:

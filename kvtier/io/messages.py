@@ -50,6 +50,9 @@ class Outcome(msgspec.Struct, tag=True):
     # A check_in_copy read's, per block: the checksum its entry's header holds, for the worker to
     # compare; None where the store checked the entry itself (a keyed one) or read none.
     checksums: list[int | None] | None = None
+    # A write's: entries the store deleted meanwhile to keep within its size bound (its own
+    # eviction), for the scheduler's index to hear; None: none.
+    deleted: list[bytes] | None = None
 
 
 class Exists(msgspec.Struct, tag=True):

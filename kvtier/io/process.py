@@ -119,14 +119,16 @@ class _Server:
     def _run(self, job: Job) -> None:
         store = self.stores[job.tier]
         sums = [None] * len(job.keys) if job.check_in_copy and not job.write else None
+        deleted = None
         try:
             if job.write:
                 reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline, job.checksums)
+                deleted = store.take_deleted()  # this write's, or another thread's since the last answer
             else:
                 reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline, sums)
         except Exception as error:  # every job gets an answer, whatever the store raises
             reasons, sums = [f"{type(error).__name__}: {error}"] * len(job.keys), None
-        self._answer(Outcome(job.job_id, list(reasons), sums))
+        self._answer(Outcome(job.job_id, list(reasons), sums, deleted or None))
         with self._settled:
             self._in_flight -= 1
             self._settled.notify_all()

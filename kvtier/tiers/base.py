@@ -162,6 +162,11 @@ class TierIndex(ABC):
         """Reserve room; returns the keys to write (those the tier does not hold, that fit)."""
         return list(keys)
 
+    def deleted_by_store(self, keys: Sequence[bytes]) -> None:
+        """The tier's store deleted these entries to stay within its bound (``TierStore.take_deleted``)."""
+        if self.holdings is not None:
+            self.holdings += [("evicted", self.name, key) for key in keys]
+
     def location(self, key: bytes) -> int:
         """Where the tier keeps a key it holds or reserved, for its store (-1: the store finds it)."""
         return -1
@@ -222,6 +227,11 @@ class TierStore(ABC):
         (``kvtier.entry.encode_header``'s ``check``): the store then does not read the slots to take them."""
 
     num_down = 0  # times the store's client was marked down (a storage pool)
+
+    def take_deleted(self) -> list[bytes]:
+        """Keys of the entries this store deleted to stay within its size bound since the last call
+        (a store that evicts on the I/O side: the shared directory); its index hears of them."""
+        return []
 
     def connect(self) -> None:
         """Called once, on a thread of its own, when the I/O process is up: a store with a client

@@ -133,6 +133,7 @@ class SharedDirStore(EntryFiles):
         self._room_lock = threading.Lock()
         self._num_rooms = 0  # times room was made for a full filesystem
         self._writing = 0  # writes in flight, each with a temporary file that takes room
+        self._deleted: list[bytes] = []  # keys of entries deleted by the bound, not yet told (``take_deleted``)
         if max_bytes is not None:
             self._used = self._entry_bytes * sum(1 for _ in self._entries())
 
@@ -215,6 +216,11 @@ class SharedDirStore(EntryFiles):
             self._num_rooms += 1
             return True
 
+    def take_deleted(self) -> list[bytes]:
+        with self._used_lock:
+            deleted, self._deleted = self._deleted, []
+        return deleted
+
     def _shrink(self) -> None:
         """Delete the oldest entries until 90 % of ``max_bytes`` is used, the entry about to be
         written counted."""
@@ -234,7 +240,8 @@ class SharedDirStore(EntryFiles):
                     break
                 try:
                     os.unlink(path)
-                except OSError:
+                    self._deleted.append(bytes.fromhex(os.path.basename(path)))
+                except (OSError, ValueError):  # gone meanwhile; or a file of another name
                     pass
                 used -= self._entry_bytes
                 removed += 1

@@ -159,13 +159,16 @@ class StorePath:
                 self.io.submit(tier, True, keys, slots, locations, deadline, written,
                                None if sums is None else [sums[slot] for slot in slots])
 
-    def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list) -> None:
-        """The I/O process answered one chunk of a tier's writes (on its receiver thread, or the engine's step)."""
+    def _written(self, store: Store, tier: str, keys: list[bytes], reasons: list, deleted: list[bytes] = ()) -> None:
+        """The I/O process answered one chunk of a tier's writes (on its receiver thread, or the engine's step);
+        ``deleted``: entries the tier's store deleted meanwhile to stay within its bound."""
         failed = [key for key, why in zip(keys, reasons) if why is not None]
         if failed:
             self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
         with self.book.lock:
             store.chunks_left[tier] -= 1
+            if deleted and not store.abandoned:  # an abandoned store's report is sent: its index never hears them
+                store.report.deleted.setdefault(tier, []).extend(deleted)
             if store.abandoned:  # reported already; the slots it held are free once no write reads them
                 if store.writes_left == 0:
                     self.book.release(store.job.slot_ids)
