@@ -52,7 +52,7 @@ class IOPath:
         failures: list[str] = []
         self.answered_sums: list[int | None] = [None] * len(keys)
 
-        def answered(part, reasons, sums=None):
+        def answered(part, reasons, sums=None, deleted=None):  # deleted: a bounded store's, not counted here
             failures.extend(r for r in reasons if r is not None)
             if sums is not None:
                 self.answered_sums[part.start:part.stop] = sums
@@ -83,7 +83,7 @@ class IOPath:
         reasons: list = []
         self.answered_sums = [None] * len(keys)
 
-        def callback(answer, sums=None):
+        def callback(answer, sums=None, deleted=None):
             reasons.extend(answer)
             if sums is not None:
                 self.answered_sums = list(sums)

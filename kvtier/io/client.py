@@ -181,7 +181,8 @@ class IOProcess:
         or, if the job cannot be sent, on this one. A write may carry its slots' checksums
         (``TierStore.write_from``). A read with ``check_in_copy`` leaves its plain entries' checksums
         to the caller: the store answers them, ``callback(reasons, checksums)`` (``Outcome``); a read
-        that failed as a whole gets ``callback(reasons)``."""
+        that failed as a whole gets ``callback(reasons)``. A write whose store deleted entries to stay
+        within its bound meanwhile gets ``callback(reasons, deleted=keys)``."""
         sums = None if checksums is None else list(checksums)
         self._send(tier, len(keys), callback,
                    lambda job_id: Job(job_id, tier, write, list(keys), list(slot_ids), list(locations), deadline, sums,
