@@ -167,12 +167,12 @@ class StorePath:
             self._failures_log.failed(tier, len(failed), next(why for why in reasons if why is not None))
         with self.book.lock:
             store.chunks_left[tier] -= 1
-            if deleted and not store.abandoned:  # an abandoned store's report is sent: its index never hears them
-                store.report.deleted.setdefault(tier, []).extend(deleted)
             if store.abandoned:  # reported already; the slots it held are free once no write reads them
                 if store.writes_left == 0:
                     self.book.release(store.job.slot_ids)
-                return
+                return  # its report is sent: the deletions this answer carries go untold
+            if deleted:
+                store.report.deleted.setdefault(tier, []).extend(deleted)
             if failed:
                 store.report.failed_writes.setdefault(tier, []).extend(failed)
                 if tier not in store.report.full_tiers and any(why and is_device_full(why) for why in reasons):
