@@ -141,23 +141,26 @@ def test_suspending_waits_for_copies_in_flight_and_refuses_new_ones():
     engine.close()
 
 
-def test_kvtier_takes_the_kv_caches_that_keep_every_tokens_kv_and_names_the_others():
+def test_kvtier_takes_full_attention_and_sliding_window_caches_and_names_the_others():
     """vLLM's own cache specs: full attention (with a sliding window noted: a mixed model's local layers
-    without the hybrid cache manager) and MLA are taken; caches that free blocks leaving a window, and
+    without the hybrid cache manager), MLA and sliding-window blocks are taken, the last with the window
+    past which vLLM frees them (none where it spans max_model_len); chunked local attention alone, and
     non-causal (prefix LM) attention, whose KV depends on later tokens, stop start-up naming why."""
     import torch
     from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
                                             SlidingWindowSpec)
 
-    from kvtier.integrations.vllm.namespace import _check_every_token_kept
+    from kvtier.integrations.vllm.namespace import _check_every_token_kept, _frees_past
 
     shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
-    for taken in (FullAttentionSpec(**shape), FullAttentionSpec(**shape, sliding_window=96),
-                  FullAttentionSpec(**shape, attention_chunk_size=64), MLAAttentionSpec(**{**shape, "num_kv_heads": 1}),
-                  SlidingWindowSpec(**shape, sliding_window=4096)):  # a window that spans max_model_len frees nothing
-        _check_every_token_kept(taken, max_model_len=4096)
-    for refused, words in ((SlidingWindowSpec(**shape, sliding_window=4095), "window of 4095 tokens is shorter"),
-                           (ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
+    for taken, frees_past in ((FullAttentionSpec(**shape), 0), (FullAttentionSpec(**shape, sliding_window=96), 0),
+                              (FullAttentionSpec(**shape, attention_chunk_size=64), 0),
+                              (MLAAttentionSpec(**{**shape, "num_kv_heads": 1}), 0),
+                              (SlidingWindowSpec(**shape, sliding_window=4096), 0),
+                              (SlidingWindowSpec(**shape, sliding_window=4095), 4095)):
+        _check_every_token_kept(taken)
+        assert _frees_past(taken, max_model_len=4096) == frees_past
+    for refused, words in ((ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
                            (FullAttentionSpec(**shape, non_causal=True), "non-causal")):
         with pytest.raises(ValueError, match=words):
-            _check_every_token_kept(refused, max_model_len=4096)
+            _check_every_token_kept(refused)

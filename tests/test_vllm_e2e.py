@@ -240,9 +240,9 @@ def test_prompts_of_every_length_finish_with_their_partial_blocks_stored(workdir
 
 def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workdir):
     """Without vLLM's hybrid cache manager (off on CPU), a model that mixes sliding-window and full-attention
-    layers keeps every token's KV in full-attention blocks: kvtier stores and loads all of them. One with
-    sliding-window layers only (vLLM frees its blocks that leave the window) stops at start-up, saying so,
-    unless its window spans max_model_len (as a Mistral-7B-v0.1's 4,096 does, served up to 4,096 tokens)."""
+    layers keeps every token's KV in full-attention blocks: kvtier stores and loads all of them. So it does
+    for a model of sliding-window layers alone whose window spans max_model_len (as a Mistral-7B-v0.1's
+    4,096 does, served up to 4,096 tokens): vLLM frees none of its blocks."""
     from kvtier.demo.model import make_model
 
     window = 3 * BLOCK
@@ -272,13 +272,54 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
         cached = served_twice(name, layer_types, sliding_window)
         assert all(tokens >= least for tokens, least in zip(cached, full)), (name, cached, full)
 
-    sliding = str(make_model(workdir / "model_sliding", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                             layer_types=["sliding_attention"] * 2, sliding_window=window))
-    output = run_app(workdir, "sliding", {"model": sliding, "connector": "kvtier", "phases": [],
-                                          "extra": {"host_bytes": "64MiB", "disk_dir": str(workdir / "sliding-disk")}},
-                     expect_failure=True)
-    assert "kvtier needs a KV cache that keeps every token's KV" in output and "SlidingWindowSpec" in output
-    assert f"window of {window} tokens is shorter than max_model_len {ENGINE['max_model_len']}" in output
+
+def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_frees_it(workdir):
+    """A window shorter than max_model_len: vLLM frees a request's blocks as they leave it, mid-request, and
+    hands them to other requests. kvtier stores each block in the step that computes it; a store that waited
+    for a free host slot past the window is skipped (never read from a block that now holds other KV), and a
+    hit loads only the blocks within the window (vLLM gives the others its null block).
+
+    Five prompts at once, 8 blocks a step, through a host pool of 4 slots (stores wait, and some are skipped),
+    with the one-process layout; then vLLM's default layout with a large pool, sequential (it stores what the
+    first skipped); then a new one-process engine: a whole hit of every prompt, loading no block outside the
+    window. Outputs equal recompute throughout, including a prompt that ends inside the others' freed blocks."""
+    from kvtier.demo.model import make_model
+
+    window = 3 * BLOCK + 4
+    model = str(make_model(workdir / "model_window", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                           layer_types=["sliding_attention"] * 2, sliding_window=window))
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 2000) for _ in range(400)]
+    prompts = [shared + [rng.randrange(3, 2000) for _ in range(n)] for n in (500, 300, 41)]
+    prompts += [shared[:250] + [rng.randrange(3, 2000) for _ in range(30)], [rng.randrange(3, 2000) for _ in range(50)]]
+    engine = {**ENGINE, "max_num_batched_tokens": 8 * BLOCK}
+    concurrent, sequential = {"prompts": prompts, "mode": "concurrent"}, {"prompts": prompts}
+    expected = run_app(workdir, "window-reference", {"model": model, "engine": engine, "warmup": False,
+                                                     "phases": [sequential]})["phases"][0]["outputs"]
+    disk = str(workdir / "window-disk")
+    slot_bytes = 2 * 2 * 2 * 64 * BLOCK * 4  # layers x (K, V) x KV heads x head size x block x float32
+
+    def run(name, layout, host_bytes, phases):
+        result = run_app(workdir, name, {"model": model, "engine": engine, "connector": "kvtier", "layout": layout,
+                                         "warmup": False, "extra": {"host_bytes": host_bytes, "disk_dir": disk},
+                                         "phases": phases})
+        for phase in result["phases"]:
+            assert [phase["outputs"][str(i)]["tokens"] for i in range(len(prompts))] == \
+                [expected[str(i)]["tokens"] for i in range(len(prompts))], name
+        return result
+
+    tight = run("window-tight", "in_process", 4 * slot_bytes, [concurrent, {**concurrent, "reset_prefix_cache": True}])
+    assert tight["kvtier"]["stats"]["skipped_store_blocks"] > 0  # stores waited past the window
+    assert tight["kvtier"]["host_pins"] == 0 and tight["kvtier"]["pending_jobs"] == 0
+    run("window-default-layout", "multiprocess", "64MiB", [sequential])
+    whole = run("window-whole", "in_process", "64MiB", [sequential])
+    full = [(len(tokens) - 1) // BLOCK * BLOCK for tokens in prompts]
+    cached = [whole["phases"][0]["outputs"][str(i)]["cached"] for i in range(len(prompts))]
+    assert all(tokens >= least for tokens, least in zip(cached, full)), (cached, full)
+    # Per prompt, the blocks that hold its last window's tokens at most: none of those before it.
+    in_window = sum(min(hit // BLOCK, -(-(window - 1) // BLOCK) + 1) for hit in cached)
+    assert 0 < whole["kvtier"]["stats"]["loaded_blocks"] <= in_window
+    assert whole["kvtier"]["host_pins"] == 0 and whole["kvtier"]["pending_jobs"] == 0
 
 
 def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdir, model):

@@ -21,6 +21,16 @@ class EngineGeometry:
     tp_size: int
     tp_rank_count: int  # workers that report each job (tensor x pipeline parallel)
     extends_loaded_kv: bool = True  # False: the engine cannot use loaded KV (``_extends_loaded_kv``)
+    # Sliding-window layers alone, the window shorter than max_model_len: vLLM frees a request's blocks
+    # as they leave the window (``sliding_window`` tokens), mid-request. 0: it keeps every block.
+    sliding_window: int = 0
+
+    def skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks of a request that vLLM may have freed (or padded with its null block) once
+        ``num_computed`` tokens are computed: vLLM's own ``get_num_skipped_tokens``, whole blocks."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
 
 def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> EngineGeometry:
@@ -30,7 +40,8 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     if len(groups) != 1:
         raise ValueError(f"kvtier supports models with one KV cache group (full attention); this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    _check_every_token_kept(spec, vllm_config.model_config.max_model_len)
+    max_model_len = vllm_config.model_config.max_model_len
+    _check_every_token_kept(spec)
     is_mla = isinstance(spec, MLAAttentionSpec)
     layer_names = list(groups[0].layer_names)
     parallel = vllm_config.parallel_config
@@ -39,7 +50,7 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
                            len(layer_names), spec.block_size, parallel.tensor_parallel_size)
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
-                          parallel.world_size, _extends_loaded_kv(vllm_config, is_mla))
+                          parallel.world_size, _extends_loaded_kv(vllm_config, is_mla), _frees_past(spec, max_model_len))
 
 
 def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
@@ -52,25 +63,32 @@ def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
     return not (is_mla and on_cpu and not vllm_config.scheduler_config.enable_chunked_prefill)
 
 
-def _check_every_token_kept(spec, max_model_len: int) -> None:
-    """kvtier stores and loads every block of a prompt, each keyed by the tokens up to its end: the
-    cache must keep every token's KV, and a block's KV must depend on those tokens alone. A model
-    that mixes sliding-window (or chunked local) layers with full-attention ones passes: without
-    vLLM's hybrid cache manager (off on CPU, and with any connector that does not declare it), its
-    local layers get full-attention blocks, every token kept, and only compute within their window
+def _frees_past(spec, max_model_len: int) -> int:
+    """The sliding window past which vLLM frees a request's blocks, or 0 where it frees none."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if type(spec) is SlidingWindowSpec and spec.sliding_window < max_model_len:
+        return spec.sliding_window
+    return 0
+
+
+def _check_every_token_kept(spec) -> None:
+    """kvtier stores and loads a prompt's blocks, each keyed by the tokens up to its end: a block's
+    KV must depend on those tokens alone, and the blocks a load needs must be kept. A model that
+    mixes sliding-window (or chunked local) layers with full-attention ones passes: without vLLM's
+    hybrid cache manager (off on CPU, and with any connector that does not declare it), its local
+    layers get full-attention blocks, every token kept, and only compute within their window
     (``FullAttentionSpec`` with its ``sliding_window`` or ``attention_chunk_size`` noted). So does a
-    model of sliding-window layers alone whose window spans ``max_model_len``: vLLM frees the blocks
-    before token ``n - window + 1`` at ``n`` tokens computed, none while ``window >= max_model_len``
-    (and attention then reaches every token, as full attention does)."""
+    model of sliding-window layers alone: vLLM frees the blocks before token ``n - window + 1`` at
+    ``n`` tokens computed (none while ``window >= max_model_len``), and kvtier stores each block in
+    the step that computes it, before it can be freed, and loads only the blocks within the window
+    (``EngineGeometry.sliding_window``). Chunked local attention alone frees whole chunks at a time
+    and is not served."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    spans_every_token = type(spec) is SlidingWindowSpec and spec.sliding_window >= max_model_len
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) and not spans_every_token:
-        window = getattr(spec, "sliding_window", None)
-        reach = f"; its window of {window} tokens is shorter than max_model_len {max_model_len}" if window else ""
-        raise ValueError(f"kvtier needs a KV cache that keeps every token's KV in full-attention blocks; this "
-                         f"model's is {type(spec).__name__} (a cache of sliding-window or chunked local layers "
-                         f"alone frees the blocks that leave the window{reach})")
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
+        raise ValueError(f"kvtier needs a KV cache of full-attention or sliding-window blocks; this model's is "
+                         f"{type(spec).__name__} (chunked local layers alone free their blocks chunk by chunk)")
     if getattr(spec, "non_causal", False):
         raise ValueError("kvtier keys each block by the tokens before it, but this model's attention is "
                          "non-causal (a prefix LM): a block's KV depends on the tokens after it")

@@ -72,7 +72,8 @@ class SchedulerSide:
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
                                    track_holdings=self.kv_events)
         self.manager.ledger.block_tokens = self.block_size
-        self.stores = StorePlans(self.manager, self.requests, self.partial_blocks, self.config.load_timeout_s)
+        self.stores = StorePlans(self.manager, self.requests, self.partial_blocks, self.config.load_timeout_s,
+                                 self.geometry.skipped_blocks)
         if self.kv_events:
             from kvtier.integrations.vllm.events import DiskJournal, KVEvents
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
@@ -146,6 +147,9 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
+        # A sliding window's hit: vLLM gives the blocks before the window its null block, and computes
+        # nothing over them. They are not loaded.
+        held = [not getattr(block, "is_null", False) for block in blocks.blocks[0]]
         if request.request_id not in self._lookups:
             return  # the second call, after a load: only the block list changed
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
@@ -172,15 +176,16 @@ class SchedulerSide:
         keys = self.requests.full_keys(state, hit_tokens)[first_block:]
         if hit_tokens % self.block_size:
             keys.append(self.requests.partial_key(state, hit_tokens))
-        block_ids = state.block_ids[first_block:first_block + len(keys)]
+        at = [first_block + i for i in range(len(keys)) if held[first_block + i]]
+        keys, block_ids = [keys[b - first_block] for b in at], [state.block_ids[b] for b in at]
         job = self.manager.plan_load(request.request_id, keys, block_ids,
                                      layerwise=request.request_id in self._layerwise_loads)
         self._layerwise_loads.discard(request.request_id)
         self._new_loads.append(job)
         state.num_stored_blocks = max(state.num_stored_blocks, hit_tokens // self.block_size)
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
-        tokens_of = {block_id: min((first_block + i + 1) * self.block_size, hit_tokens)
-                     - max((first_block + i) * self.block_size, first_token) for i, block_id in enumerate(block_ids)}
+        tokens_of = {state.block_ids[b]: min((b + 1) * self.block_size, hit_tokens)
+                     - max(b * self.block_size, first_token) for b in at}
         self.hits.planned(job, tokens_of)  # a load larger than the free host slots: its waves follow
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:

@@ -7,19 +7,28 @@ vLLM then keeps the request's blocks (``request_finished`` answers that it still
 sends) until every block is planned, or until no slot has freed for ``timeout_s``
 (the rest counted in ``skipped_store_blocks``), and frees them once those stores have
 read them.
+
+A model of sliding-window layers alone has vLLM free a request's blocks as they leave
+the window: a block before the window of the tokens computed so far is never read (vLLM
+may have given it to another request), so the stores of such blocks not yet planned are
+skipped. The blocks each step stores are copied before the next step may free them
+(``worker_side.wait_for_save``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from kvtier.integrations.vllm.requests import Requests, RequestState
 from kvtier.manager import TierManager
 
 
 class StorePlans:
-    def __init__(self, manager: TierManager, requests: Requests, partial_blocks: bool, timeout_s: float):
+    def __init__(self, manager: TierManager, requests: Requests, partial_blocks: bool, timeout_s: float,
+                 skipped_blocks: Callable[[int], int] = lambda num_computed: 0):
         self.manager = manager
+        self.skipped_blocks = skipped_blocks  # leading blocks vLLM may have freed, at so many tokens computed
         self.requests = requests
         self.block_size = requests.block_size
         self.partial_blocks = partial_blocks  # the prompt's last, partial block is stored too
@@ -33,6 +42,12 @@ class StorePlans:
         # Speculative decoding schedules draft tokens past the request's own: their KV may be
         # rejected, and a block is whole only once its tokens are the request's.
         num_full = min(min(num_computed, request.num_tokens) // self.block_size, len(state.block_ids))
+        # Blocks vLLM may have freed by now (a sliding window left them; ``request.num_computed_tokens``
+        # counts the tokens before this step, at least those it freed on): skipped, never read.
+        gone = min(self.skipped_blocks(request.num_computed_tokens), num_full)
+        if gone > state.num_stored_blocks:
+            self.manager.stats.skipped_store_blocks += gone - state.num_stored_blocks
+            state.num_stored_blocks = gone
         jobs = []
         if num_full > state.num_stored_blocks:
             keys = self.requests.full_keys(state, num_full * self.block_size)[state.num_stored_blocks:num_full]
@@ -54,10 +69,11 @@ class StorePlans:
         return jobs
 
     def _partial_unstored(self, state: RequestState, num_computed: int) -> bool:
-        """Whether the prompt's partial block is computed and not yet stored (nor planned)."""
+        """Whether the prompt's partial block is computed and not yet stored (nor planned), and still held."""
         num_prompt = state.request.num_prompt_tokens
         return (self.partial_blocks and not state.partial_planned and num_computed >= num_prompt
-                and num_prompt % self.block_size != 0 and num_prompt // self.block_size < len(state.block_ids))
+                and num_prompt % self.block_size != 0 and num_prompt // self.block_size < len(state.block_ids)
+                and num_prompt // self.block_size >= self.skipped_blocks(state.request.num_computed_tokens))
 
     def _num_unstored(self, state: RequestState, num_full: int, num_computed: int) -> int:
         return max(0, num_full - state.num_stored_blocks) + self._partial_unstored(state, num_computed)

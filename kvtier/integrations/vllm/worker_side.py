@@ -157,8 +157,10 @@ class WorkerSide:
         for job in self._new_jobs(meta.store_jobs):
             self.tier_worker.submit_store(job)  # layer-wise: the layers whose attention did not run
             submitted.append(job.job_id)
-        if self.config.layerwise and submitted:
-            # Every layer of this step is copied before the next step may overwrite anything.
+        if (self.config.layerwise or self.geometry.sliding_window) and submitted:
+            # Every layer of this step is copied before the next step may overwrite anything: the
+            # next step's own KV (layer-wise), or another request's in blocks that vLLM frees as they
+            # leave a sliding window, at the next step's scheduling.
             self.tier_worker.wait_for_device_reads(submitted, self.config.load_timeout_s)
         if self.is_producer and submitted:
             # Prefill/decode hand-off: this step's output (the first token) leaves only once
