@@ -147,9 +147,6 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
-        # A sliding window's hit: vLLM gives the blocks before the window its null block, and computes
-        # nothing over them. They are not loaded.
-        held = [not getattr(block, "is_null", False) for block in blocks.blocks[0]]
         if request.request_id not in self._lookups:
             return  # the second call, after a load: only the block list changed
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
@@ -176,7 +173,10 @@ class SchedulerSide:
         keys = self.requests.full_keys(state, hit_tokens)[first_block:]
         if hit_tokens % self.block_size:
             keys.append(self.requests.partial_key(state, hit_tokens))
-        at = [first_block + i for i in range(len(keys)) if held[first_block + i]]
+        # A sliding window's hit: vLLM gives the blocks before the window its null block, and computes
+        # nothing over them. They are not loaded.
+        vllm_blocks = blocks.blocks[0]
+        at = [first_block + i for i in range(len(keys)) if not getattr(vllm_blocks[first_block + i], "is_null", False)]
         keys, block_ids = [keys[b - first_block] for b in at], [state.block_ids[b] for b in at]
         job = self.manager.plan_load(request.request_id, keys, block_ids,
                                      layerwise=request.request_id in self._layerwise_loads)
