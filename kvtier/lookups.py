@@ -13,7 +13,7 @@ it has waited for a block that is being written to the host pool, or for a free 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvtier.ledger import Ledger
 from kvtier.tiers.base import TierIndex
@@ -39,8 +39,13 @@ class Lookups:
         # it was the host pool's copy that failed), so a request fails at most len(tiers) + 1 loads.
         self._failed: dict[str, set[str]] = {}
 
-    def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
+    def lookup(self, keys: Sequence[bytes], token: str | None = None,
+               first_read: Callable[[int], int] | None = None) -> int | None:
         """Number of leading ``keys`` that some tier holds and that can be loaded now.
+
+        ``first_read(n)``: of a hit of ``n`` leading keys, the first the engine reads (a sliding
+        window's engine reads only the blocks within the window of the hit's next token); the keys
+        before it need not be held. None: the engine reads every key of a hit.
 
         The host pool first, then each tier in order. While a tier that asks others has
         not answered, this returns None (ask again with the same ``token``); one that is
@@ -62,12 +67,13 @@ class Lookups:
             if any(answer is None for answer in answers):
                 return None
             found = [dict(zip(rest, answer)) for answer in answers]
-        sources, first_wave, taken = self.walk(keys, found)
-        hits = len(sources) if first_wave else 0  # a hit loads in waves once its first wave has a block
+        start = 0 if first_read is None else self.window_start(keys, found, first_read)
+        sources, first_wave, taken = self.walk(keys[start:], found)
+        hits = start + len(sources) if first_wave else 0  # a hit loads in waves once its first wave has a block
         if token is None:
             return hits
         self._found[token] = found
-        limited = hits < len(keys) and self.source(keys[hits], found) is not None  # found, but no slot
+        limited = bool(sources) and not first_wave  # found, but no slot
         (self._slot_limited.add if limited else self._slot_limited.discard)(token)
         # Found, but not one host slot to stage its first block in: every slot is pinned by a load or
         # store in flight, being written, or promised, and each frees as its job ends (a hit of one
@@ -92,6 +98,19 @@ class Lookups:
             if tier_found.get(key):
                 return tier.name
         return None
+
+    def window_start(self, keys: Sequence[bytes], found: list[dict[bytes, bool]],
+                     first_read: Callable[[int], int]) -> int:
+        """Where the longest hit whose read keys are all held starts: ``first_read(n)`` of the largest
+        ``n`` with keys ``first_read(n)`` to ``n`` held (vLLM's own sliding-window hit, the same way),
+        its last key always among them. Its keys run on from there, so the hit is walked from it as
+        any other."""
+        run = best = 0  # held keys in a row, up to the n-th; the longest hit so far
+        for n, key in enumerate(keys, 1):
+            run = run + 1 if self.source(key, found) is not None else 0
+            if run and n - run <= first_read(n):
+                best = n
+        return min(first_read(best), best - 1) if best else 0
 
     def slots_needed(self, key: bytes, source: str) -> int:
         """Host slots a plan takes for ``key``: a stage takes one, pinning an evictable host hit one."""

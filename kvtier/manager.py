@@ -15,7 +15,7 @@ import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvtier.config import KVTierConfig
 from kvtier.ledger import Ledger
@@ -89,9 +89,11 @@ class TierManager:
         return next(tier for tier in self.tiers if tier.name == name)
 
     # --- lookup (kvtier.lookups) ---------------------------------------------
-    def lookup(self, keys: Sequence[bytes], token: str | None = None) -> int | None:
-        """Number of leading ``keys`` some tier holds and a plan can load now; None: ask again."""
-        return self.lookups.lookup(keys, token)
+    def lookup(self, keys: Sequence[bytes], token: str | None = None,
+               first_read: Callable[[int], int] | None = None) -> int | None:
+        """Number of leading ``keys`` some tier holds and a plan can load now (those before
+        ``first_read(n)`` of a hit of ``n`` need not be held); None: ask again."""
+        return self.lookups.lookup(keys, token, first_read)
 
     def miss_reason(self, key: bytes, token: str | None = None) -> str:
         return self.lookups.miss_reason(key, token)

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -187,6 +187,44 @@ def test_no_wave_is_counted_when_promises_exceed_the_free_slots(tmp_path):
     assert mgr.lookup(pinned + on_disk, token="r") == 3  # slots free again: the whole prefix
     mgr.forget("r")
     assert mgr.host.num_pins == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(held=st.lists(st.booleans(), min_size=1, max_size=12), reach=st.integers(0, 5), host_slots=st.integers(2, 16))
+def test_a_sliding_windows_hit_needs_only_the_blocks_within_the_window(held, reach, host_slots):
+    """A sliding window's engine reads, of a hit of n blocks, only those from ``first_read(n)``: the blocks
+    before it (never stored, skipped, evicted) do not cut the hit short, and the plan of the blocks read
+    (vLLM gives the others its null block) loads every one of them, in waves through a small host pool."""
+    with tempfile.TemporaryDirectory() as disk_dir:
+        mgr = manager(disk_dir, host_slots=host_slots, disk_entries=len(held))
+        keys = chain(0, len(held))
+        for i, key in enumerate(keys):
+            if held[i]:  # the host pool keeps the last ones, the disk all
+                complete(mgr, mgr.plan_store("s", [key], [i]))
+
+        def first_read(n):
+            return max(0, n - reach)
+
+        # The hit's last key is needed even where the engine reads none (a window of one token).
+        longest = max(n for n in range(len(keys) + 1) if n == 0 or all(held[min(first_read(n), n - 1):n]))
+        leading = held.index(False) if False in held else len(held)
+        assert mgr.lookup(keys) == leading  # an engine that reads every block of a hit
+        hits = mgr.lookup(keys, token="r", first_read=first_read)
+        assert hits == longest
+        loaded = []
+        read = list(range(first_read(hits), hits))
+        if read:
+            job = mgr.plan_load("r", [keys[i] for i in read], [100 + i for i in read])
+            while True:
+                assert not job.missing_block_ids
+                loaded += job.ready_keys + job.fill_keys
+                complete(mgr, job)
+                if job.final:
+                    break
+                job = mgr.waves.plan_next("r")
+            assert sorted(loaded) == sorted(keys[i] for i in read)
+        mgr.forget("r")
+        assert mgr.host.num_pins == 0 and mgr.tier("disk").num_pins == 0 and mgr.num_pending == 0
 
 
 def test_a_lookup_with_no_free_host_slot_waits_for_one_at_most_load_timeout_s(tmp_path):

@@ -160,7 +160,33 @@ def test_kvtier_takes_full_attention_and_sliding_window_caches_and_names_the_oth
                               (SlidingWindowSpec(**shape, sliding_window=4095), 4095)):
         _check_every_token_kept(taken)
         assert _frees_past(taken, max_model_len=4096) == frees_past
+    if "extra_retained_tokens" in SlidingWindowSpec.__dataclass_fields__:  # vLLM 0.32: kept below the window
+        assert _frees_past(SlidingWindowSpec(**shape, sliding_window=100, extra_retained_tokens=8), 4096) == 108
     for refused, words in ((ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
                            (FullAttentionSpec(**shape, non_causal=True), "non-causal")):
         with pytest.raises(ValueError, match=words):
             _check_every_token_kept(refused)
+
+
+@pytest.mark.parametrize("window", [1, 17, 100, 4095])
+def test_the_blocks_kvtier_takes_as_freed_are_those_vllms_sliding_window_frees(window):
+    """kvtier's count of a request's leading blocks that vLLM frees (or pads with its null block) at n
+    tokens computed is vLLM's own; of a hit, the first block vLLM reads is the first not freed."""
+    from types import SimpleNamespace
+
+    from test_tiering import NAMESPACE
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from kvtier.integrations.vllm.namespace import EngineGeometry
+
+    geometry = EngineGeometry(NAMESPACE, 1, ["a"], 64, 32, 1, 1, sliding_window=window)
+    manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    for n in range(0, 5000, 7):
+        assert geometry.skipped_blocks(n) == SlidingWindowManager.get_num_skipped_tokens(manager, n) // 32
+    start, num_full, num_tokens = 3, 28, 900  # blocks 3.. of a 900-token prompt, vLLM's cache covers 0..2
+    first_read = geometry.first_read(start, num_full, num_tokens)
+    for n in range(1, num_full - start + 2):  # the last: the partial block's hit, the whole prompt
+        tokens = (start + n) * 32 if start + n <= num_full else num_tokens
+        assert first_read(n) == max(0, SlidingWindowManager.get_num_skipped_tokens(manager, tokens) // 32 - start)
+        assert first_read(n) <= n
+    assert EngineGeometry(NAMESPACE, 1, ["a"], 64, 32, 1, 1).first_read(start, num_full, num_tokens) is None

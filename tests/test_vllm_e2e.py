@@ -282,7 +282,8 @@ def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_fr
     Five prompts at once, 8 blocks a step, through a host pool of 4 slots (stores wait, and some are skipped),
     with the one-process layout; then vLLM's default layout with a large pool, sequential (it stores what the
     first skipped); then a new one-process engine: a whole hit of every prompt, loading no block outside the
-    window. Outputs equal recompute throughout, including a prompt that ends inside the others' freed blocks."""
+    window. Outputs equal recompute throughout, including a prompt that ends inside the others' freed blocks.
+    Last, a prompt whose first blocks a bounded disk evicted: a whole hit, since vLLM reads none of them."""
     from kvtier.demo.model import make_model
 
     window = 3 * BLOCK + 4
@@ -320,6 +321,20 @@ def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_fr
     in_window = sum(min(hit // BLOCK, -(-(window - 1) // BLOCK) + 1) for hit in cached)
     assert 0 < whole["kvtier"]["stats"]["loaded_blocks"] <= in_window
     assert whole["kvtier"]["host_pins"] == 0 and whole["kvtier"]["pending_jobs"] == 0
+    # A disk that keeps a prompt's last 12 blocks of 28 (its bound evicted the first ones): they hold the
+    # window of its end, so the prompt is a whole hit all the same.
+    from kvtier.entry import HEADER_BYTES
+    bounded = {"host_bytes": "64MiB", "disk_dir": str(workdir / "window-bounded"),
+               "disk_bytes": 12 * (slot_bytes + HEADER_BYTES)}
+    for name, layout in (("writer", "in_process"), ("reader", "in_process"), ("default-layout-reader", "multiprocess")):
+        result = run_app(workdir, f"window-bounded-{name}", {"model": model, "engine": engine, "connector": "kvtier",
+                                                             "layout": layout, "warmup": False, "extra": bounded,
+                                                             "phases": [{"prompts": prompts[:1]}]})
+        output = result["phases"][0]["outputs"]["0"]
+        assert output["tokens"] == expected["0"]["tokens"]
+        assert output["cached"] == (0 if name == "writer" else full[0])
+        if layout == "in_process":
+            assert result["kvtier"]["host_pins"] == 0 and result["kvtier"]["pending_jobs"] == 0
 
 
 def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdir, model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
@@ -22,7 +23,8 @@ class EngineGeometry:
     tp_rank_count: int  # workers that report each job (tensor x pipeline parallel)
     extends_loaded_kv: bool = True  # False: the engine cannot use loaded KV (``_extends_loaded_kv``)
     # Sliding-window layers alone, the window shorter than max_model_len: vLLM frees a request's blocks
-    # as they leave the window (``sliding_window`` tokens), mid-request. 0: it keeps every block.
+    # as they leave the window (``sliding_window`` tokens, and any it retains below), mid-request.
+    # 0: it keeps every block.
     sliding_window: int = 0
 
     def skipped_blocks(self, num_computed: int) -> int:
@@ -31,6 +33,18 @@ class EngineGeometry:
         if not self.sliding_window:
             return 0
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def first_read(self, start: int, num_full: int, num_tokens: int) -> Callable[[int], int] | None:
+        """For a lookup of a request's blocks from ``start`` on (``num_full`` full ones, then its partial
+        one): of a hit of n of them, the first that vLLM reads, the first within the window of the hit's
+        next token (vLLM gives those before it its null block). None: vLLM reads every block of a hit."""
+        if not self.sliding_window:
+            return None
+
+        def first_read(n: int) -> int:
+            tokens = num_tokens if start + n > num_full else (start + n) * self.block_size
+            return max(0, self.skipped_blocks(tokens) - start)
+        return first_read
 
 
 def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> EngineGeometry:
@@ -64,12 +78,14 @@ def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:
 
 
 def _frees_past(spec, max_model_len: int) -> int:
-    """The sliding window past which vLLM frees a request's blocks, or 0 where it frees none."""
+    """The tokens before the next one that vLLM keeps a request's blocks for (its sliding window, and
+    the ``extra_retained_tokens`` below it that multi-token prediction re-reads), or 0 where it frees none."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    if type(spec) is SlidingWindowSpec and spec.sliding_window < max_model_len:
-        return spec.sliding_window
-    return 0
+    if type(spec) is not SlidingWindowSpec:
+        return 0
+    kept = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)  # the field is new in vLLM 0.32
+    return kept if kept < max_model_len else 0
 
 
 def _check_every_token_kept(spec) -> None:

@@ -105,7 +105,9 @@ class SchedulerSide:
         partial = self.requests.partial_key(state, num_tokens) if self.partial_blocks else None
         start = num_computed_tokens // self.block_size
         wanted = keys[start:] + ([partial] if partial is not None else [])
-        hits = self.manager.lookup(wanted, token=request.request_id)
+        # A sliding window's hit needs only the blocks within the window of its next token.
+        first_read = self.geometry.first_read(start, len(keys), num_tokens)
+        hits = self.manager.lookup(wanted, token=request.request_id, first_read=first_read)
         if hits is None:
             return None, False  # a tier has not answered, or a block or host slot is coming: vLLM asks again
         hit_blocks = start + min(hits, len(keys) - start)
