@@ -122,6 +122,26 @@ def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_wh
             assert len(entries_in(disk)) == (i + 1) * FULL_BLOCKS, f"run {i}"
 
 
+def test_tensor_parallel_workers_stopped_before_the_scheduler_lose_the_rest_and_say_so(workdir, model, tmp_path):
+    """Tensor parallelism 2 with the scheduler in the caller's process: vLLM stops the worker processes
+    before the scheduler, and nothing steps the engine after the last request, so the blocks of a prompt
+    larger than the host pool's free slots that were still waiting for one are not stored. kvtier logs how
+    many at shutdown, and those are exactly the ones missing from the disk (each rank's entries agree)."""
+    slot_bytes = 3 * 2 * 1 * 64 * 4 * BLOCK
+    disk = tmp_path / "disk"
+    extra = {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk)}
+    apps.run_app(workdir, "exit-tp-small-pool", {
+        "model": model, "connector": "kvtier", "engine": {**ENGINE, "tensor_parallel_size": 2}, "warmup": False,
+        "layout": "in_process", "extra": extra, "phases": [{"prompts": [PROMPT], "max_tokens": 1, "drain": False}]},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    log = (workdir / "exit-tp-small-pool.log").read_text()
+    said = [line for line in log.splitlines() if "finished requests not stored" in line]
+    assert len(said) == 1, said
+    unstored = int(said[0].split("kvtier: shutdown: ")[1].split()[0])
+    assert 0 < unstored < FULL_BLOCKS
+    assert len(entries_in(disk)) == 2 * (FULL_BLOCKS - unstored)  # two ranks, each its own entries
+
+
 @pytest.mark.parametrize("kind", ["file", "mooncake"])
 def test_requests_waiting_for_room_in_vllms_cache_ask_the_tier_once_each(workdir, model, kind, tmp_path):
     """vLLM's KV cache holds two of six prompts at a time; the others wait, and vLLM asks kvtier

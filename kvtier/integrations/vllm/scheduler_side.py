@@ -227,6 +227,12 @@ class SchedulerSide:
         self.stores.on_completed(completed)
 
     def shutdown(self) -> None:
+        # vLLM shuts its workers down first: what is left unstored now is lost (the one-process layout
+        # drains it from its worker side, ``shutdown_drain``; workers in processes of their own cannot).
+        if self.num_finishing:
+            logger.warning("kvtier: shutdown: %d blocks of %d finished requests not stored: no host slot freed "
+                           "for them before the engine stopped (shutdown_flush_s=%.1f s)",
+                           self.stores.num_unstored, self.num_finishing, self.config.shutdown_flush_s)
         if self._events is not None and self._events.journal is not None:
             self._events.journal.close()
         if self.manager is not None:

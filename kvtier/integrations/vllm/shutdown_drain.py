@@ -12,7 +12,6 @@ its own engine, as idle steps would, within ``shutdown_flush_s``.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from kvtier.integrations.vllm.scheduler_side import SchedulerSide
     from kvtier.integrations.vllm.worker_side import WorkerSide
 
-logger = logging.getLogger("kvtier.vllm")
 
 # engine id -> the scheduler side of that engine, where it runs in this process
 _scheduler_sides: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -43,6 +41,4 @@ def drain_finished_requests(engine_id: str, worker_side: WorkerSide, budget_s: f
         worker_side.tier_worker.wait_for_a_job(min(left, 0.1))  # a write ends: its slots are free again
         worker_side.get_finished(set())
         scheduler.on_worker_meta(worker_side.build_worker_meta())
-    if scheduler.num_finishing:
-        logger.warning("kvtier: shutdown: %d blocks of %d finished requests not stored within shutdown_flush_s="
-                       "%.1f s", scheduler.stores.num_unstored, scheduler.num_finishing, budget_s)
+    # What is left, the scheduler side logs at its shutdown, next.
