@@ -17,14 +17,16 @@ What a client sees when something fails:
   decode, which computes the prompt itself (slower, but answered), and it is logged;
   a 4xx from prefill (a bad request, a wrong API key) is returned as it is;
 - the decode instance unreachable: 502, with an OpenAI-style error;
-- decode dying in the middle of a stream: the stream ends with an error event
-  (``data: {"error": ...}``) and no ``[DONE]``, never with a silent truncation.
+- decode dying in the middle of a stream, or its stream ending without ``[DONE]``
+  however it ends: the stream ends with an error event (``data: {"error": ...}``) and
+  no ``[DONE]``, never with a silent truncation.
 No limit on connections to the instances (a few hung decodes never queue the
 others), and request bodies up to ``max_body_bytes``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -33,6 +35,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 logger = logging.getLogger("kvtier.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+_DONE = b"data: [DONE]"
 # Hop-by-hop and per-connection headers are the proxy's own; every other one is the client's.
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                   "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
@@ -40,6 +43,12 @@ _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "
 
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last whole server-sent event in ``data`` ends (0: none is whole yet)."""
+    ends = [at + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (at := data.rfind(sep)) >= 0]
+    return max(ends, default=0)
 
 
 def _prefill_body(body: dict) -> dict:
@@ -107,20 +116,33 @@ def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float =
                                         content_type=decode.content_type)
                 response = web.StreamResponse(status=200, headers={"Content-Type": decode.content_type})
                 await response.prepare(request)
+                # Whole events only: one cut short must not run into the error event that follows it.
+                pending = last = b""
                 async for chunk in decode.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (ClientError, TimeoutError) as error:
-            logger.warning("kvtier proxy: decode %s failed (%r)", decode_url, error)
-            message = f"the decode instance failed: {error!r}"
-            if response is None:
-                return _error(502, message, "upstream_error")
-            # Headers are out: the failure is told in the stream, and it ends without [DONE].
-            event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+                    pending += chunk
+                    end = _events_end(pending)
+                    if end:
+                        await response.write(pending[:end])
+                        last, pending = pending[:end], pending[end:]
+                if not pending.strip() and last.rstrip().endswith(_DONE):  # an OpenAI stream ends so, or is cut
+                    await response.write_eof()
+                    return response
+                error = ConnectionError("the stream ended without [DONE]")
+        except (ClientError, TimeoutError, ConnectionError) as failure:
+            error = failure
+        except Exception as failure:  # headers out or not, the client is told, never cut off silently
+            logger.exception("kvtier proxy: relaying decode %s's answer failed", decode_url)
+            error = failure
+        logger.warning("kvtier proxy: decode %s failed (%r)", decode_url, error)
+        message = f"the decode instance failed: {error!r}"
+        if response is None:
+            return _error(502, message, "upstream_error")
+        # Headers are out: the failure is told in the stream, and it ends without [DONE].
+        event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+        with contextlib.suppress(ConnectionError):  # unless the client itself has gone
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await response.write_eof()
-            return response
+        return response
 
     async def models(request: web.Request) -> web.Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}

@@ -280,7 +280,7 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     import urllib.error
 
     from kvtier.demo.model import words
-    from tests.e2e.servers import http_json, kvtier_proxy, vllm_server
+    from tests.e2e.servers import http_json, kvtier_proxy, stream_completion, vllm_server
 
     model = tokenized_model(workdir)
     tokens = prompt(99, 650)
@@ -305,13 +305,13 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                 except urllib.error.HTTPError as error:
                     unauthorized = error.code
                 two = http_json(url + "/v1/completions", {**request, "n": 2, "temperature": 0.8}, headers=auth)
-                streamed = _stream(url, {**request, "stream": True}, auth)
+                streamed = stream_completion(url, {**request, "stream": True}, auth)
                 remote_hits = pool_hit_tokens(decode)
                 os.killpg(procs[0].pid, signal.SIGKILL)  # prefill gone
                 procs[0].wait()
                 other = {**request, "prompt": words(prompt(98, 300))}
                 without_prefill = http_json(url + "/v1/completions", other, headers=auth)
-                cut = _stream(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
+                cut = stream_completion(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
                               after_first=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
                 try:
                     http_json(url + "/v1/completions", other, headers=auth)
@@ -324,31 +324,5 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     assert len(two["choices"]) == 2
     assert streamed["done"] and streamed["text"] == through_proxy["choices"][0]["text"]
     assert without_prefill["choices"][0]["text"]  # decode computed the prompt itself
-    assert cut["errors"] and not cut["done"]  # told, not silently truncated
+    assert cut["errors"] and not cut["done"], cut  # told, not silently truncated
     assert after_decode == (502, "upstream_error")
-
-
-def _stream(url: str, request: dict, headers: dict, after_first=None) -> dict:
-    """POST a streamed completion; the text, whether ``[DONE]`` came, and the error events."""
-    import urllib.request
-
-    post = urllib.request.Request(url + "/v1/completions", data=json.dumps(request).encode(),
-                                  headers={"Content-Type": "application/json", **headers})
-    text, done, errors = "", False, []
-    with urllib.request.urlopen(post, timeout=300) as reply:
-        for line in reply:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            text += event["choices"][0]["text"]
-            if after_first is not None:
-                after_first()
-                after_first = None
-    return {"text": text, "done": done, "errors": errors}

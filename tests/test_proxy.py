@@ -1,6 +1,7 @@
 """``kvtier proxy`` as a process of its own, against backends that fail for real: an address
 nothing listens on, and servers that accept connections and never answer."""
 
+import http.client
 import json
 import socket
 import threading
@@ -8,8 +9,13 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from kvtier.servers import free_port
 from tests.e2e.servers import kvtier_proxy as proxy
+from tests.e2e.servers import stream_completion
+
+EVENT = b'data: {"choices": [{"text": "w1 "}]}\n\n'
 
 
 class BlackHole:
@@ -32,6 +38,43 @@ class BlackHole:
         self.listener.close()
         for conn in self.accepted:
             conn.close()
+
+
+class ScriptedStream:
+    """An instance whose answer to every request is a chunked event stream: ``chunks``, then
+    the last chunk (``ending="whole"``), or a chunk cut short and the connection closed
+    (``ending="cut"``)."""
+
+    def __init__(self, chunks: list[bytes], ending: str):
+        self.chunks, self.ending = chunks, ending
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn = self.listener.accept()[0]
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, body = request.split(b"\r\n\r\n", 1)
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+                for chunk in self.chunks:
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    time.sleep(0.05)
+                conn.sendall(b"0\r\n\r\n" if self.ending == "whole" else b"100\r\ndata: {\"choi")
+
+    def close(self):
+        self.listener.close()
 
 
 def post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:
@@ -83,3 +126,34 @@ def _ignore(function, *args, **kwargs):
         function(*args, **kwargs)
     except OSError:
         pass
+
+
+def test_a_stream_is_relayed_whole_only_when_it_ends_with_done(tmp_path):
+    """Decode's stream relayed: whole, with ``[DONE]`` split over two chunks, it reaches the client
+    as it is; ended cleanly but without ``[DONE]``, or cut in the middle of a chunk, the client gets
+    the text so far, an error event and no ``[DONE]``, never a silent truncation."""
+    nowhere = f"http://127.0.0.1:{free_port()}"  # no prefill: decode computes the prompt itself
+    request = {"model": "m", "prompt": "hi", "stream": True}
+    answers = {}
+    for name, chunks, ending in (("whole", [EVENT, EVENT + b"data: [DO", b"NE]\n\n"], "whole"),
+                                 ("no_done", [EVENT, EVENT], "whole"),
+                                 ("cut", [EVENT, EVENT], "cut")):
+        decode = ScriptedStream(chunks, ending)
+        with proxy(nowhere, decode.url, tmp_path / f"proxy-{name}.log") as url:
+            answers[name] = stream_completion(url, request, timeout=30)
+        decode.close()
+    assert answers["whole"] == {"text": "w1 w1 ", "done": True, "errors": []}
+    for name in ("no_done", "cut"):
+        assert answers[name]["text"] == "w1 w1 " and not answers[name]["done"], answers[name]
+        assert [error["type"] for error in answers[name]["errors"]] == ["upstream_error"], answers[name]
+
+
+def test_the_stream_reader_of_the_tests_raises_on_a_connection_cut_short():
+    """``stream_completion`` (what the end-to-end tests read streams with) tells a cut connection
+    from a whole stream: iterating over the lines of ``urlopen`` ends silently on both."""
+    cut = ScriptedStream([EVENT], "cut")
+    try:
+        with pytest.raises(http.client.IncompleteRead):
+            stream_completion(cut.url, {"stream": True}, timeout=30)
+    finally:
+        cut.close()
