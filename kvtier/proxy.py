@@ -133,13 +133,16 @@ def make_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float =
         except Exception as failure:  # headers out or not, the client is told, never cut off silently
             logger.exception("kvtier proxy: relaying decode %s's answer failed", decode_url)
             error = failure
+        if response is not None and (request.transport is None or request.transport.is_closing()):
+            logger.info("kvtier proxy: the client left during decode %s's answer", decode_url)
+            return response
         logger.warning("kvtier proxy: decode %s failed (%r)", decode_url, error)
         message = f"the decode instance failed: {error!r}"
         if response is None:
             return _error(502, message, "upstream_error")
         # Headers are out: the failure is told in the stream, and it ends without [DONE].
         event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-        with contextlib.suppress(ConnectionError):  # unless the client itself has gone
+        with contextlib.suppress(ConnectionError):  # the client may leave at any time
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await response.write_eof()
         return response

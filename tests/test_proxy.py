@@ -1,6 +1,7 @@
 """``kvtier proxy`` as a process of its own, against backends that fail for real: an address
 nothing listens on, and servers that accept connections and never answer."""
 
+import contextlib
 import http.client
 import json
 import socket
@@ -57,7 +58,7 @@ class ScriptedStream:
                 conn = self.listener.accept()[0]
             except OSError:
                 return
-            with conn:
+            with conn, contextlib.suppress(OSError):  # the proxy may close it first
                 request = b""
                 while b"\r\n\r\n" not in request:
                     request += conn.recv(65536)
@@ -146,6 +147,26 @@ def test_a_stream_is_relayed_whole_only_when_it_ends_with_done(tmp_path):
     for name in ("no_done", "cut"):
         assert answers[name]["text"] == "w1 w1 " and not answers[name]["done"], answers[name]
         assert [error["type"] for error in answers[name]["errors"]] == ["upstream_error"], answers[name]
+
+
+def test_a_client_that_leaves_mid_stream_is_no_decode_failure(tmp_path):
+    """The client closes its connection after the first event: the proxy drops decode's stream
+    without calling it a decode failure, and serves the next request whole."""
+    decode = ScriptedStream([EVENT] * 40 + [b"data: [DONE]\n\n"], "whole")
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    try:
+        with proxy(nowhere, decode.url, tmp_path / "proxy.log") as url:
+            request = urllib.request.Request(url + "/v1/completions", data=b'{"stream": true}',
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert reply.read1(65536).startswith(b"data: ")
+            time.sleep(1)  # the proxy writes the next events into a closed connection
+            after = stream_completion(url, {"stream": True}, timeout=30)
+    finally:
+        decode.close()
+    assert after == {"text": "w1 " * 40, "done": True, "errors": []}
+    log = (tmp_path / "proxy.log").read_text()
+    assert f"decode {decode.url} failed" not in log and "Traceback" not in log, log
 
 
 def test_the_stream_reader_of_the_tests_raises_on_a_connection_cut_short():
