@@ -73,7 +73,7 @@ class SchedulerSide:
                                    track_holdings=self.kv_events)
         self.manager.ledger.block_tokens = self.block_size
         self.stores = StorePlans(self.manager, self.requests, self.partial_blocks, self.config.load_timeout_s,
-                                 self.geometry.skipped_blocks)
+                                 self.geometry.skipped_blocks if self.geometry.sliding_window else None)
         if self.kv_events:
             from kvtier.integrations.vllm.events import DiskJournal, KVEvents
             disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
@@ -195,12 +195,13 @@ class SchedulerSide:
         for job in self.manager.waves.due_jobs() if self.manager is not None else ():
             self._new_loads.append(job)
             self.hits.planned(job)
-        store_jobs = []
+        scheduled = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or self.manager is None or not self.stores_enabled or unsupported(state.request):
                 continue
-            store_jobs += self.stores.plan(state, state.request.num_computed_tokens + num_scheduled)
+            scheduled.append((state, state.request.num_computed_tokens + num_scheduled))
+        store_jobs = self.stores.plan_step(scheduled) if scheduled else []
         finished_store_jobs = self.stores.finish(self._send_waits) if self.manager is not None else []
         idle = scheduler_output.total_num_scheduled_tokens == 0
         waiting = self.handoffs.waited_this_step()  # a request waits for a producer's blocks

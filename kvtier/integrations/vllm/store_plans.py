@@ -26,9 +26,11 @@ from kvtier.manager import TierManager
 
 class StorePlans:
     def __init__(self, manager: TierManager, requests: Requests, partial_blocks: bool, timeout_s: float,
-                 skipped_blocks: Callable[[int], int] = lambda num_computed: 0):
+                 skipped_blocks: Callable[[int], int] | None = None):
         self.manager = manager
-        self.skipped_blocks = skipped_blocks  # leading blocks vLLM may have freed, at so many tokens computed
+        self.frees_blocks = skipped_blocks is not None
+        # Leading blocks vLLM may have freed, at so many tokens computed.
+        self.skipped_blocks = skipped_blocks or (lambda num_computed: 0)
         self.requests = requests
         self.block_size = requests.block_size
         self.partial_blocks = partial_blocks  # the prompt's last, partial block is stored too
@@ -67,6 +69,15 @@ class StorePlans:
             state.store_job_ids.add(job.job_id)
             self._owner[job.job_id] = request.request_id
         return jobs
+
+    def plan_step(self, scheduled: list[tuple[RequestState, int]]) -> list:
+        """The stores of a step's requests, given as (state, tokens computed once the step ends)."""
+        if self.frees_blocks:
+            # A sliding window frees a request's oldest blocks as its tokens move on: the request whose
+            # first unstored block is furthest behind its tokens (the nearest to being freed) gets the
+            # free host slots first. Without one, vLLM's own order.
+            scheduled = sorted(scheduled, key=lambda item: item[0].num_stored_blocks * self.block_size - item[1])
+        return [job for state, num_computed in scheduled for job in self.plan(state, num_computed)]
 
     def _partial_unstored(self, state: RequestState, num_computed: int) -> bool:
         """Whether the prompt's partial block is computed and not yet stored (nor planned), and still held."""
