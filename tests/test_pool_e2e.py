@@ -312,7 +312,7 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                 other = {**request, "prompt": words(prompt(98, 300))}
                 without_prefill = http_json(url + "/v1/completions", other, headers=auth)
                 cut = stream_completion(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
-                              after_first=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
+                                        after_first=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
                 try:
                     http_json(url + "/v1/completions", other, headers=auth)
                     after_decode = None

@@ -1,5 +1,6 @@
 """``kvtier proxy`` as a process of its own, against backends that fail for real: an address
-nothing listens on, and servers that accept connections and never answer."""
+nothing listens on, servers that accept connections and never answer, and servers whose event
+streams end short of ``[DONE]`` or are cut mid-chunk."""
 
 import contextlib
 import http.client
@@ -140,9 +141,11 @@ def test_a_stream_is_relayed_whole_only_when_it_ends_with_done(tmp_path):
                                  ("no_done", [EVENT, EVENT], "whole"),
                                  ("cut", [EVENT, EVENT], "cut")):
         decode = ScriptedStream(chunks, ending)
-        with proxy(nowhere, decode.url, tmp_path / f"proxy-{name}.log") as url:
-            answers[name] = stream_completion(url, request, timeout=30)
-        decode.close()
+        try:
+            with proxy(nowhere, decode.url, tmp_path / f"proxy-{name}.log") as url:
+                answers[name] = stream_completion(url, request, timeout=30)
+        finally:
+            decode.close()
     assert answers["whole"] == {"text": "w1 w1 ", "done": True, "errors": []}
     for name in ("no_done", "cut"):
         assert answers[name]["text"] == "w1 w1 " and not answers[name]["done"], answers[name]
