@@ -22,6 +22,8 @@ class Ledger:
         self.holdings: list = []  # the same list object in every index, which appends to it
         for index in indexes:
             index.holdings = self.holdings
+        # What a tier says unasked (a storage pool's own evictions) joins the holdings on absorbing.
+        self._absorb_news = [index.absorb_news for index in indexes if hasattr(index, "absorb_news")]
         self._events_out: list | None = [] if track_holdings else None
         self._gone: OrderedDict[bytes, str] = OrderedDict()  # key -> "evicted_<tier>" or "damaged"
         self.max_gone = 200_000
@@ -75,6 +77,8 @@ class Ledger:
         if self.probe is not None:
             for reason, tokens in self.probe.take():
                 self.misses[reason] += tokens
+        for absorb_news in self._absorb_news:
+            absorb_news()
         if not self.holdings:
             return
         for kind, tier, key in self.holdings:

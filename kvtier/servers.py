@@ -58,9 +58,10 @@ def mooncake_metadata_command(metadata_port: int) -> list[str]:
 
 def redis_command(port: int, password: str | None = None, maxmemory: str = "1gb",
                   policy: str = "allkeys-lru") -> list[str]:
-    """A cache, not a database: bounded memory, least recently used entries evicted, nothing saved."""
+    """A cache, not a database: bounded memory, least recently used entries evicted (and said so), nothing saved."""
     command = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--maxmemory", maxmemory, "--maxmemory-policy", policy]
+               "--maxmemory", maxmemory, "--maxmemory-policy", policy,
+               "--notify-keyspace-events", "Eex"]  # evictions and expiries published: kvtier tells routers
     return command + (["--requirepass", password] if password else [])
 
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.servers import free_port
+from kvtier.servers import free_port, local_redis
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -59,17 +59,21 @@ class Subscriber:
 def test_every_tier_is_announced_under_vllms_own_block_hashes(workdir, model, layout, tmp_path):
     """Two prompts of 12 full blocks each, a host pool of 20 blocks and a disk tier: vLLM's
     device events and kvtier's carry the same hashes, parents and tokens; every block is
-    announced in the host pool (CPU, LOCAL) and on disk (STORAGE, LOCAL); the host pool's
-    evictions are announced as removals of exactly the blocks that left it."""
+    announced in the host pool (CPU, LOCAL), on disk (STORAGE, LOCAL) and in a Redis pool (STORAGE,
+    REMOTE); the host pool's evictions are announced as removals of exactly the blocks that left
+    it, and the pool's own expiries (``remote_ttl_s``: 1 s) as removals of the first prompt's,
+    which no load asked for."""
     port = free_port()
     subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
     time.sleep(0.5)
-    extra = {"host_bytes": 20 * 49152, "disk_dir": str(tmp_path / "disk")}  # 49152 bytes a block
-    apps.run_app(workdir, f"events-{layout}", {
-        "model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
-        "engine": {**ENGINE, "kv_events_endpoint": f"tcp://*:{port}"},
-        "phases": [{"prompts": [PROMPTS[0]], "max_tokens": 1}, {"prompts": [PROMPTS[1]], "max_tokens": 1,
-                                                                 "idle_s": 1}]})
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        extra = {"host_bytes": 20 * 49152, "disk_dir": str(tmp_path / "disk"),  # 49152 bytes a block
+                 "remote_url": server.url, "remote_ttl_s": 1}
+        apps.run_app(workdir, f"events-{layout}", {
+            "model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
+            "engine": {**ENGINE, "kv_events_endpoint": f"tcp://*:{port}"},
+            "phases": [{"prompts": [PROMPTS[0]], "max_tokens": 1, "idle_s": 3},  # its pool entries expire
+                       {"prompts": [PROMPTS[1]], "max_tokens": 1, "idle_s": 1}]})
     time.sleep(1.0)
     events = subscriber.events()
     stored = [e for e in events if type(e).__name__ == "BlockStored"]
@@ -95,6 +99,12 @@ def test_every_tier_is_announced_under_vllms_own_block_hashes(workdir, model, la
     first = {e.block_hashes[0] for e in host[:12]}
     assert len(evicted) == 24 - 20 and set(evicted) <= first  # the oldest left the 20 slots
     assert not tier(removed, "STORAGE", "kvtier:disk")  # the disk holds them all
+    pool = f"kvtier:redis:127.0.0.1:{server.port}/0"
+    pooled = tier(stored, "STORAGE", pool)
+    assert sorted(e.block_hashes[0] for e in pooled) == sorted(e.block_hashes[0] for e in disk)
+    assert {e.locality for e in pooled} == {"REMOTE"}
+    expired = [h for e in tier(removed, "STORAGE", pool) for h in e.block_hashes]
+    assert sorted(expired) == sorted(e.block_hashes[0] for e in pooled[:12])  # the first prompt's, told unasked
 
 
 def test_a_restart_announces_what_the_disk_tier_already_holds(workdir, model, tmp_path):

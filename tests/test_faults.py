@@ -123,6 +123,7 @@ def test_kvtier_serve_redis_is_bounded_and_entries_expire(tmp_path):
     with local_redis(log_path=str(tmp_path / "redis.log"), maxmemory="4mb") as server:  # serve's policy: LRU
         client = redis.Redis.from_url(server.url)
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert set(client.config_get("notify-keyspace-events")["notify-keyspace-events"]) >= set("Eex")  # told
         store, _ = _redis_store(server.url, 256 << 10, 32, ttl_s=3600)
         assert store.write_from(keys_of(range(32)), list(range(32)), [-1] * 32, 0) == [None] * 32  # old ones evicted
         assert int(client.info("memory")["used_memory"]) <= 5 << 20

@@ -160,6 +160,45 @@ def test_a_pool_that_is_down_costs_bounded_time_and_comes_back(tmp_path):
         other.close()
 
 
+def test_what_redis_evicts_or_expires_on_its_own_reaches_the_index_as_it_happens(tmp_path):
+    """A Redis that publishes its evictions and expiries (as ``kvtier serve redis`` starts it): every
+    instance's index hears of this layout's entries it dropped, with no load asking for them, and
+    its ledger says why they went; an answer that had found them is not reused. The server's other
+    names (another layout's blocks, anything else) are not told."""
+    import redis
+
+    with local_redis(log_path=str(tmp_path / "redis.log"), maxmemory="3mb") as server:
+        writer, reader = Instance(server.url), Instance(server.url)
+        keys = keys_of([1, 2, 3])
+        writer.run(writer.manager.plan_store("a", keys, [1, 2, 3]), writer.worker.submit_store)
+        index = reader.manager.tier("redis")
+        index.ANSWER_REUSE_S = 600.0  # an answer would stand all through the test, unless the news drops it
+        assert reader.lookup(keys, token="t") == 3
+        raw = redis.Redis.from_url(server.url)
+        raw.set(pool_key(b"\x02" * 16, keys_of([4])[0]), b"x" * 100, px=50)  # another layout's: not news here
+        raw.pexpire(pool_key(writer.worker.rank_fingerprint, keys[0]), 50)
+
+        def heard(instance, wanted):
+            deadline = time.monotonic() + 10
+            while any(instance.manager.ledger.gone(key) is None for key in wanted):
+                assert time.monotonic() < deadline, f"{wanted} not heard"
+                time.sleep(0.05)
+
+        heard(reader, keys[:1])
+        filler = b"f" * (256 << 10)
+        for i in range(40):  # 10 MiB into 3 MB: least recently used entries are evicted, ours among them
+            raw.set(f"filler/{i}", filler)
+        for instance in (reader, writer):
+            heard(instance, keys)
+            assert [instance.manager.ledger.gone(key) for key in keys] == ["evicted_redis"] * 3
+            assert instance.manager.ledger.gone(keys_of([4])[0]) is None
+            assert instance.manager.tier("redis").stats()["evictions"] == 3
+        assert raw.exists(*[pool_key(writer.worker.rank_fingerprint, key) for key in keys]) == 0
+        assert reader.lookup(keys, token="t") == 0  # asked again, not the answer that found them
+        writer.close()
+        reader.close()
+
+
 def test_existence_queries_never_wait_on_a_silent_pool():
     from kvtier.tiers import redis as redis_tier
 

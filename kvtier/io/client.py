@@ -30,7 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from kvtier.host_slots import HostSlots
-from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 
 logger = logging.getLogger("kvtier.io")
@@ -129,6 +129,8 @@ class IOProcess:
         self._engine_waiting = threading.Event()  # the engine's thread waits for answers: take them at once
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
+        # A lookup process's news (``Gone``): called with the names, on whichever thread takes answers.
+        self.on_gone: Callable[[list[str]], None] | None = None
         self._start()
 
     @property
@@ -264,6 +266,9 @@ class IOProcess:
                     entry[1](message.reasons)
                 else:
                     entry[1](message.reasons, message.checksums)
+            elif isinstance(message, Gone):
+                if self.on_gone is not None:
+                    self.on_gone(message.names)
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()

@@ -68,6 +68,13 @@ class Found(msgspec.Struct, tag=True):
     down: int  # times the store's client has been marked down, in all
 
 
+class Gone(msgspec.Struct, tag=True):
+    """A lookup process's news, asked by nobody: entries its tier's server dropped on its own
+    (evicted, expired), by name, for the index to hear."""
+    tier: str
+    names: list[str]
+
+
 class Flush(msgspec.Struct, tag=True):
     timeout_s: float
 
@@ -77,7 +84,7 @@ class Flushed(msgspec.Struct, tag=True):
     dropped: int  # jobs still queued or running at the deadline
 
 
-Message = Setup | Ready | Job | Outcome | Exists | Found | Flush | Flushed
+Message = Setup | Ready | Job | Outcome | Exists | Found | Gone | Flush | Flushed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -10,7 +10,9 @@ pool) connects as soon as the process is up. It imports no torch and no engine.
 
 The same program, started with no memory file (``-1``), is a storage-pool index's
 lookup process: it answers ``Exists`` checks with ``Found``, through the same
-store, so that no thread of the scheduler's process waits for the GIL to ask.
+store, so that no thread of the scheduler's process waits for the GIL to ask. Where
+the pool's server says which entries it evicts or expires, it passes those on
+(``Gone``) as they come.
 
 A ``Flush`` (clean shutdown) lets queued jobs finish up to its timeout, answers
 ``Flushed`` with what was dropped, and exits. If the worker dies instead (killed,
@@ -38,7 +40,7 @@ import threading
 import time
 
 from kvtier.host_slots import HostSlots
-from kvtier.io.messages import Exists, Flush, Flushed, Found, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import Exists, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
 from kvtier.io.pages import map_for_writing
 from kvtier.tiers.base import TierSpec, unavailable
 from kvtier.tiers.registry import make_store
@@ -107,6 +109,9 @@ class _Server:
         send(self.sock, Ready(errors))
         for store in self.stores.values():  # after Ready: a pool that is slow to answer delays no start-up
             threading.Thread(target=store.connect, daemon=True, name="kvtier-io-connect").start()
+        if memory_fd < 0:  # a lookup process: what a pool's server drops on its own, its index hears at once
+            for name, store in self.stores.items():
+                store.watch_gone(lambda names, tier=name: self._answer(Gone(tier, names)))
 
     def _answer(self, message) -> None:
         try:

@@ -21,6 +21,7 @@ import errno
 import os
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -178,6 +179,10 @@ class TierIndex(ABC):
         """A write found no room on the tier's filesystem (ENOSPC, EDQUOT), short of the tier's own
         bound: a tier that keeps a list holds at most what it holds now, evicting to make room."""
 
+    def absorb_news(self) -> None:
+        """Take in, on the scheduler's thread, what the tier said unasked since the last call (a
+        storage pool's own evictions): the ledger calls it before it reads ``holdings``."""
+
     def forget(self, token: str) -> None:
         """A request went away, or a plan used its lookup: drop what its lookups remembered."""
 
@@ -232,6 +237,12 @@ class TierStore(ABC):
         """Keys of the entries this store deleted to stay within its size bound since the last call
         (a store that evicts on the I/O side: the shared directory); its index hears of them."""
         return []
+
+    def watch_gone(self, tell: Callable[[list[str]], None]) -> None:
+        """In an index's lookup process: where the tier's server says which entries it drops on its
+        own (evicts, expires), call ``tell(names)`` with those of this instance's names, from a
+        thread of the store's own, as they come. Most tiers cannot say: nothing to do."""
+        return None
 
     def connect(self) -> None:
         """Called once, on a thread of its own, when the I/O process is up: a store with a client
@@ -292,6 +303,11 @@ class ExistenceIndex(TierIndex):
         self._answered: dict[str, tuple[tuple[bytes, ...], float, list | None]] = {}  # token -> (keys, when, found)
         self.num_checks = 0  # checks sent to the tier
         self.num_bad_entries = 0
+        # Keys the tier's server dropped on its own, told from another thread (``told_gone``), taken in
+        # on the scheduler's (``absorb_news``). A deque: appends and pops need no lock across threads.
+        # Bounded: an engine that takes no step for long keeps the latest news only, as the ledger does.
+        self._news: deque[bytes] = deque(maxlen=200_000)
+        self.num_told_gone = 0
 
     def lookup(self, keys, token):
         keys = tuple(keys)
@@ -372,6 +388,26 @@ class ExistenceIndex(TierIndex):
         if len(self._failed) > 100_000:
             now = time.monotonic()
             self._failed = {k: t for k, t in self._failed.items() if t > now}
+
+    def told_gone(self, keys: Sequence[bytes]) -> None:
+        """Any thread: the tier's server evicted or expired these entries."""
+        self._news.extend(keys)
+
+    def absorb_news(self) -> None:
+        keys = []
+        while True:
+            try:
+                keys.append(self._news.popleft())
+            except IndexError:
+                break
+        if not keys:
+            return
+        self.num_told_gone += len(keys)
+        if self.holdings is not None:  # the fleet hears it now, not when a load finds the entry gone
+            self.holdings += [("evicted", self.name, key) for key in keys]
+        gone = set(keys)  # an answer that found one of them stands no more: the next lookup asks again
+        self._answered = {token: answer for token, answer in self._answered.items()
+                          if answer[2] is None or not any(hit and key in gone for key, hit in zip(answer[0], answer[2]))}
 
     def unanswered(self, token: str) -> bool:
         return token in self._unanswered

@@ -20,6 +20,7 @@ misses at once; the next call after that reconnects.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -193,7 +194,7 @@ class GuardedClient:
             self._calls -= 1
             close = lease.retired and lease.calls == 0
         if close:
-            _close_quietly(lease.client)
+            close_quietly(lease.client)
 
     def register(self, address: int, num_bytes: int) -> None:
         self._registered.append((address, num_bytes))
@@ -216,7 +217,7 @@ class GuardedClient:
             logger.warning("kvtier: storage pool %s failed (%s); using the other tiers for %.0f s",
                            redact(self.url), redact(error), self.retry_s)
         if close:
-            _close_quietly(lease.client)
+            close_quietly(lease.client)
 
     def _mark_down_if_overdue(self) -> None:
         """A call in flight past ``timeout_s`` marks the pool down now, not when it returns: the
@@ -297,14 +298,14 @@ class GuardedClient:
             if lease is not None:
                 lease.retired = True
         if close:
-            _close_quietly(lease.client)
+            close_quietly(lease.client)
 
 
 class _Busy(Exception):
     """``max_calls`` calls are in flight."""
 
 
-def _close_quietly(client: PoolClient) -> None:
+def close_quietly(client: PoolClient) -> None:
     try:
         client.close()
     except Exception:  # closing a broken client may fail too; it is dropped either way
@@ -319,8 +320,10 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
     every pool client is: down or past ``timeout_s``, a check is a miss."""
     from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
 
-    lookups = IOProcess(None, [spec], bytes(16), None, drain_s=0.0)
     ranks = list(rank_fingerprints)
+    prefixes = [pool_key(fp, b"") for fp in ranks]  # "kvtier/<rank>/": the names of this layout's blocks
+    watched = dataclasses.replace(spec, options={**spec.options, "gone_prefixes": prefixes})
+    lookups = IOProcess(None, [watched], bytes(16), None, drain_s=0.0)
     down = [0]  # the store's count, as of its last answer
 
     def start(keys: list[bytes]) -> _PoolCheck:
@@ -329,6 +332,7 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
 
     index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0))
     index.lookups = lookups
+    lookups.on_gone = lambda names: index.told_gone(_keys_of(names))
     index.stats = lambda: {"down": down[0]}
     close = index.close
 
@@ -338,6 +342,18 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
 
     index.close = close_both
     return index
+
+
+def _keys_of(names: Sequence[str]) -> list[bytes]:
+    """The block keys of pool names (``pool_key``); a block is gone once any rank's shard is. A name
+    that is not one of kvtier's is skipped."""
+    keys = []
+    for name in names:
+        try:
+            keys.append(bytes.fromhex(name[name.rindex("/") + 1:]))
+        except ValueError:
+            continue
+    return list(dict.fromkeys(keys))
 
 
 class _PoolCheck:
@@ -495,10 +511,17 @@ class _Rows:
 class PoolStore(TierStore):
     """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
 
-    def __init__(self, spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int, connect: Callable[[], PoolClient]):
+    def __init__(self, spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int, connect: Callable[[], PoolClient],
+                 watch: Callable[[TierSpec, Sequence[str], Callable[[list[str]], None]], None] | None = None):
         self.client = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
+        self._spec, self._watch = spec, watch  # ``watch``: the backend's notices of what its server drops
+
+    def watch_gone(self, tell) -> None:
+        prefixes = self._spec.options.get("gone_prefixes")  # an index's lookup process: its ranks' names
+        if self._watch is not None and prefixes:
+            self._watch(self._spec, prefixes, tell)
 
     def attach(self, host_slots, heads=None) -> None:
         super().attach(host_slots, heads)

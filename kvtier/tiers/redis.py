@@ -11,16 +11,25 @@ Cluster, which routes each key, goes through redis-py's pipeline and copies.)
 
 A write the server refuses (``OOM`` at ``maxmemory`` under ``noeviction``) fails
 that entry alone: the pool stays up for reads and for the writes that fit. Entries
-expire after ``remote_ttl_s`` (``SET EX``).
+expire after ``remote_ttl_s`` (``SET EX``). What the server evicts or expires on its
+own, it publishes where ``notify-keyspace-events`` asks it to: the index's lookup
+process listens (``GoneNotices``), so routers hear of it at once.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
+from kvtier.redact import redact
+
 from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, make_pool_index, outside_calls
+from kvtier.tiers.pool import PoolClient, PoolStore, close_quietly, make_pool_index, outside_calls
+
+logger = logging.getLogger("kvtier.pool")
 
 
 def validate(url: str) -> None:
@@ -29,7 +38,10 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    return make_pool_index(spec, rank_fingerprints)
+    index = make_pool_index(spec, rank_fingerprints)
+    pool_stats = index.stats
+    index.stats = lambda: {**pool_stats(), "evictions": index.num_told_gone}  # as the server said them
+    return index
 
 
 def _connector(spec: TierSpec):
@@ -41,7 +53,86 @@ held_from_outside, write_record, read_records, release_outside = outside_calls(_
 
 def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
     ttl_s = spec.options.get("ttl_s", 0)
-    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: RedisClient(spec.location, spec.timeout_s, ttl_s))
+    return PoolStore(spec, rank_fingerprint, slot_bytes, lambda: RedisClient(spec.location, spec.timeout_s, ttl_s),
+                     watch=watch_gone)
+
+
+def watch_gone(spec: TierSpec, prefixes, tell) -> None:
+    """Hear the server's own evictions and expiries (keyspace notifications) of names under ``prefixes``,
+    on a thread of their own (``GoneNotices``). Redis Cluster's notices stay on each node: not heard."""
+    if urlparse(spec.location).scheme.endswith("+cluster"):
+        logger.info("kvtier: a Redis Cluster's evictions are not heard as they come; an evicted block is "
+                    "noticed when a load finds it gone")
+        return
+    notices = GoneNotices(spec.location, spec.timeout_s, spec.retry_s, tuple(prefixes), tell)
+    threading.Thread(target=notices.run, daemon=True, name="kvtier-redis-gone").start()
+
+
+class GoneNotices:
+    """The names the server evicts (``maxmemory``) or expires (``remote_ttl_s``), as it publishes them on
+    ``__keyevent@<db>__:evicted`` and ``:expired``: with ``notify-keyspace-events`` holding ``E`` and
+    ``e``/``x`` (``kvtier serve redis`` sets ``Eex``). Told in batches (a burst of evictions is one
+    message); a lost connection is retried every ``retry_s``. A server that publishes none is said once."""
+
+    BATCH_S = 0.05  # the longest a notice waits for the next ones of its burst
+
+    def __init__(self, url: str, timeout_s: float, retry_s: float, prefixes: tuple[str, ...], tell):
+        self.url, self.timeout_s, self.retry_s = url, timeout_s, retry_s
+        self.prefixes, self.tell = prefixes, tell
+        self.num_told = 0
+
+    def run(self) -> None:
+        import redis
+
+        failing = False
+        while True:
+            client = None
+            try:
+                client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                              socket_connect_timeout=self.timeout_s)
+                self._say_if_unpublished(client)
+                db = client.connection_pool.connection_kwargs.get("db", 0)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired")
+                failing = False
+                while True:
+                    self._tell_burst(pubsub)
+            except Exception as error:  # the server went away: heard again once it is back
+                if not failing:
+                    logger.warning("kvtier: lost the Redis pool's eviction notices (%s); trying again every %.0f s",
+                                   redact(error), self.retry_s)
+                failing = True
+            finally:
+                if client is not None:
+                    close_quietly(client)
+            time.sleep(self.retry_s)
+
+    def _tell_burst(self, pubsub) -> None:
+        message = pubsub.get_message(timeout=1.0)
+        names, until = [], time.monotonic() + self.BATCH_S
+        while message is not None:
+            name = message["data"]
+            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            if name.startswith(self.prefixes):
+                names.append(name)
+            left = until - time.monotonic()
+            message = pubsub.get_message(timeout=left) if left > 0 else None
+        if names:
+            self.num_told += len(names)
+            self.tell(names)
+
+    def _say_if_unpublished(self, client) -> None:
+        import redis
+
+        try:
+            flags = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+        except redis.ResponseError:  # CONFIG refused (a managed service): listened to all the same
+            return
+        if "E" in flags and ({"e", "x"} <= set(flags) or "A" in flags):
+            return
+        logger.info("kvtier: the Redis pool %s does not publish its evictions and expiries "
+                    "(notify-keyspace-events is %r; 'Eex' does): routers hear of a block it dropped only "
+                    "when a load finds it gone", redact(self.url), flags)
 
 
 class RedisClient(PoolClient):
