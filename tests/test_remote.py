@@ -199,6 +199,49 @@ def test_what_redis_evicts_or_expires_on_its_own_reaches_the_index_as_it_happens
         reader.close()
 
 
+def test_redis_eviction_notices_come_back_after_a_restart_and_a_server_that_publishes_none_is_said(
+        tmp_path, caplog):
+    """``GoneNotices`` on its own: a server set to publish nothing is said in the log; a server
+    that restarts (its notices lost meanwhile) is listened to again once it is back."""
+    import logging
+    import threading
+
+    import redis
+
+    from kvtier.tiers.redis import GoneNotices
+
+    told, arrived = [], threading.Event()
+
+    def tell(names):
+        told.extend(names)
+        arrived.set()
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        raw = redis.Redis.from_url(server.url)
+        raw.config_set("notify-keyspace-events", "")
+        with caplog.at_level(logging.INFO, logger="kvtier.pool"):
+            GoneNotices(server.url, 1.0, 60.0, ("kvtier/a/",), tell)._say_if_unpublished(raw)
+        assert [r.message for r in caplog.records if "does not publish" in r.message] != []
+        notices = GoneNotices(server.url, 1.0, 0.2, ("kvtier/a/",), tell)
+        threading.Thread(target=notices.run, daemon=True).start()
+        raw.config_set("notify-keyspace-events", "Eex")
+        time.sleep(0.5)  # subscribed by now
+        raw.set("kvtier/a/01", b"x", px=20)
+        raw.set("kvtier/b/02", b"x", px=20)  # another prefix: not told
+        assert arrived.wait(5) and told == ["kvtier/a/01"]
+        server.stop()
+        time.sleep(0.5)  # the notices' connection fails; they try again every 0.2 s
+        server.start()
+        raw = redis.Redis.from_url(server.url)
+        arrived.clear()
+        deadline = time.monotonic() + 10
+        while not arrived.is_set():  # until the notices are back: an expiry before that is not heard
+            assert time.monotonic() < deadline, "the notices did not come back"
+            raw.set("kvtier/a/03", b"x", px=20)
+            arrived.wait(0.3)
+        assert told[1:2] == ["kvtier/a/03"] and notices.num_told >= 2
+
+
 def test_existence_queries_never_wait_on_a_silent_pool():
     from kvtier.tiers import redis as redis_tier
 

@@ -25,7 +25,6 @@ from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
 from kvtier.redact import redact
-
 from kvtier.tiers.base import TierSpec
 from kvtier.tiers.pool import PoolClient, PoolStore, close_quietly, make_pool_index, outside_calls
 
@@ -80,6 +79,7 @@ class GoneNotices:
         self.url, self.timeout_s, self.retry_s = url, timeout_s, retry_s
         self.prefixes, self.tell = prefixes, tell
         self.num_told = 0
+        self._checked = False  # whether the server's settings were looked at (once: a reconnect is no news)
 
     def run(self) -> None:
         import redis
@@ -90,7 +90,9 @@ class GoneNotices:
             try:
                 client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
                                               socket_connect_timeout=self.timeout_s)
-                self._say_if_unpublished(client)
+                if not self._checked:
+                    self._say_if_unpublished(client)
+                    self._checked = True
                 db = client.connection_pool.connection_kwargs.get("db", 0)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired")
