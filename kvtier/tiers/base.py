@@ -403,7 +403,11 @@ class ExistenceIndex(TierIndex):
         if not keys:
             return
         self.num_told_gone += len(keys)
-        if self.holdings is not None:  # the fleet hears it now, not when a load finds the entry gone
+        # The fleet hears it now, not when a load finds the entry gone. A notice that comes after this
+        # instance stored the block again (the eviction came first, its notice later) tells a removal
+        # that is stale: a router may then pass over a hit (the safe side of being wrong); lookups
+        # ask the tier itself, so no load is lost either way.
+        if self.holdings is not None:
             self.holdings += [("evicted", self.name, key) for key in keys]
         gone = set(keys)  # an answer that found one of them stands no more: the next lookup asks again
         self._answered = {token: answer for token, answer in self._answered.items()
