@@ -5,7 +5,8 @@ Checks, in order, each one a line of the report:
 - ``disk_dir``: writable, and room for ``disk_bytes``;
 - every configured tier below the host pool: one block written and read back through
   the tier's own store (the code kvtier's I/O process runs), header and checksum
-  included, under a namespace of the doctor's own, so no model's entries are touched;
+  included, under a namespace of the doctor's own, so no model's entries are touched
+  (and for Redis, whether it publishes its evictions and expiries);
 - with ``--model`` (and ``--engine-args``), the namespace fingerprint vLLM would key that
   model's blocks with, computed from vLLM's own configuration without an engine, and how it
   differs from the namespaces that instances recorded in the tiers' directories: two
@@ -102,7 +103,7 @@ def round_trip(spec) -> Check:
             return Check(spec.name, False, f"{where}: read back other bytes", time.monotonic() - began)
         took = time.monotonic() - began
         return Check(spec.name, True, f"{where}: one {PROBE_BYTES >> 10} KiB block written and read back "
-                                      f"byte-exact, checksum checked, in {1000 * took:.0f} ms", took)
+                                      f"byte-exact, checksum checked, in {1000 * took:.0f} ms{_notices(spec)}", took)
     except Exception as error:  # whatever the tier raises is the report, not a crash
         return Check(spec.name, False, f"{where}: {type(error).__name__}: {redact(error)}", time.monotonic() - began)
     finally:
@@ -111,6 +112,26 @@ def round_trip(spec) -> Check:
         if spec.module in ("kvtier.tiers.disk", "kvtier.tiers.shared_dir"):  # the probe's folder goes
             root = spec.location if spec.module == "kvtier.tiers.disk" else urlparse(spec.location).path
             shutil.rmtree(os.path.join(root, DOCTOR_FINGERPRINT.hex()), ignore_errors=True)
+
+
+def _notices(spec) -> str:
+    """For a Redis pool: whether routers hear at once of the blocks it evicts or expires."""
+    if spec.module != "kvtier.tiers.redis" or "+cluster" in urlparse(spec.location).scheme:
+        return ""
+    import redis
+
+    from kvtier.tiers.redis import unpublished
+
+    client = redis.Redis.from_url(spec.location, socket_timeout=spec.timeout_s, socket_connect_timeout=spec.timeout_s)
+    try:
+        missing = unpublished(client)
+    except Exception:  # the block went through: a question the server does not answer is no failure
+        return ""
+    finally:
+        client.close()
+    return ("; its evictions and expiries are published (routers hear of them at once)" if missing is None else
+            f"; its evictions and expiries are not published ({missing}): routers hear of them when a load "
+            "finds the block gone")
 
 
 def _why(store) -> str:

@@ -27,12 +27,17 @@ def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
             local_mooncake(log_path=str(tmp_path / "mooncake.log")) as mooncake_server:
         results = [doctor({"disk_dir": str(disk), "remote_url": url})
                    for url in (redis_server.url, mooncake_server.url, f"file://{shared}")]
+        import redis
+        redis.Redis.from_url(redis_server.url).config_set("notify-keyspace-events", "Ex")
+        _, silent = doctor({"disk_dir": None, "remote_url": redis_server.url})
     for status, checks in results:
         assert status == 0 and all(check["ok"] for check in checks.values()), checks
         assert checks["disk_dir"]["detail"].startswith(f"{disk}: writable")
         assert "byte-exact" in checks["disk"]["detail"]
     assert {name for _, checks in results for name in checks} >= {"redis", "mooncake", "file"}
     assert "hunter2" not in json.dumps(results) and "redis://:***@" in results[0][1]["redis"]["detail"]
+    assert "evictions and expiries are published" in results[0][1]["redis"]["detail"]  # kvtier serve redis's Eex
+    assert silent["redis"]["ok"] and "are not published (notify-keyspace-events is " in silent["redis"]["detail"]
     assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
 
 

@@ -201,8 +201,8 @@ def test_what_redis_evicts_or_expires_on_its_own_reaches_the_index_as_it_happens
 
 def test_redis_eviction_notices_come_back_after_a_restart_and_a_server_that_publishes_none_is_said(
         tmp_path, caplog):
-    """``GoneNotices`` on its own: a server set to publish nothing is said in the log; a server
-    that restarts (its notices lost meanwhile) is listened to again once it is back."""
+    """``GoneNotices`` on its own, on a server with a password: one set to publish nothing is said in
+    the log; one that restarts (its notices lost meanwhile) is listened to again once it is back."""
     import logging
     import threading
 
@@ -216,7 +216,7 @@ def test_redis_eviction_notices_come_back_after_a_restart_and_a_server_that_publ
         told.extend(names)
         arrived.set()
 
-    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+    with local_redis(log_path=str(tmp_path / "redis.log"), password="pool-secret") as server:
         raw = redis.Redis.from_url(server.url)
         raw.config_set("notify-keyspace-events", "")
         with caplog.at_level(logging.INFO, logger="kvtier.pool"):

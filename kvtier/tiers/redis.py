@@ -124,17 +124,24 @@ class GoneNotices:
             self.tell(names)
 
     def _say_if_unpublished(self, client) -> None:
-        import redis
+        missing = unpublished(client)
+        if missing:
+            logger.info("kvtier: the Redis pool %s does not publish its evictions and expiries (%s): routers "
+                        "hear of a block it dropped only when a load finds it gone", redact(self.url), missing)
 
-        try:
-            flags = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-        except redis.ResponseError:  # CONFIG refused (a managed service): listened to all the same
-            return
-        if "E" in flags and ({"e", "x"} <= set(flags) or "A" in flags):
-            return
-        logger.info("kvtier: the Redis pool %s does not publish its evictions and expiries "
-                    "(notify-keyspace-events is %r; 'Eex' does): routers hear of a block it dropped only "
-                    "when a load finds it gone", redact(self.url), flags)
+
+def unpublished(client) -> str | None:
+    """Why the server does not publish both its evictions and its expiries, or None where it does (or
+    will not say: a managed service that refuses CONFIG, listened to all the same)."""
+    import redis
+
+    try:
+        flags = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+    except redis.ResponseError:
+        return None
+    if "E" in flags and ({"e", "x"} <= set(flags) or "A" in flags):
+        return None
+    return f"notify-keyspace-events is {flags!r}; 'Eex' publishes them"
 
 
 class RedisClient(PoolClient):
