@@ -394,14 +394,9 @@ class ExistenceIndex(TierIndex):
         self._news.extend(keys)
 
     def absorb_news(self) -> None:
-        keys = []
-        while True:
-            try:
-                keys.append(self._news.popleft())
-            except IndexError:
-                break
-        if not keys:
+        if not self._news:  # the usual step: nothing told
             return
+        keys = [self._news.popleft() for _ in range(len(self._news))]  # the other thread only appends
         self.num_told_gone += len(keys)
         # The fleet hears it now, not when a load finds the entry gone. A notice that comes after this
         # instance stored the block again (the eviction came first, its notice later) tells a removal
