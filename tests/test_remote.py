@@ -242,6 +242,43 @@ def test_redis_eviction_notices_come_back_after_a_restart_and_a_server_that_publ
         assert told[1:2] == ["kvtier/a/03"] and notices.num_told >= 2
 
 
+def test_an_entry_stored_again_before_its_eviction_notice_is_heard_is_not_told_gone(tmp_path):
+    """A notice is heard after the fact: an entry expired (or evicted) and stored again before its notice
+    is handled is held, and is not told as a removal; the others of the same burst are."""
+    import threading
+
+    import redis
+
+    from kvtier.tiers.redis import GoneNotices
+
+    told, held_up, release = [], threading.Event(), threading.Event()
+
+    def tell(names):
+        told.append(list(names))
+        held_up.set()
+        release.wait(10)  # the first burst holds the notices' thread while the next ones happen
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        raw = redis.Redis.from_url(server.url)
+        notices = GoneNotices(server.url, 1.0, 0.2, ("kvtier/a/",), tell)
+        threading.Thread(target=notices.run, daemon=True).start()
+        deadline = time.monotonic() + 10
+        while not held_up.is_set():  # until subscribed: an expiry before that is not heard
+            assert time.monotonic() < deadline, "no notice heard"
+            raw.set("kvtier/a/00", b"x", px=20)
+            held_up.wait(0.3)
+        raw.set("kvtier/a/01", b"x", px=20)
+        raw.set("kvtier/a/02", b"x", px=20)
+        time.sleep(0.2)
+        assert raw.exists("kvtier/a/01", "kvtier/a/02") == 0  # both expired, their notices published
+        raw.set("kvtier/a/01", b"stored again")
+        release.set()
+        while len(told) < 2:
+            assert time.monotonic() < deadline, f"the second burst was not told: {told}"
+            time.sleep(0.05)
+        assert told[1] == ["kvtier/a/02"] and notices.num_told == len(told[0]) + 1
+
+
 def test_existence_queries_never_wait_on_a_silent_pool():
     from kvtier.tiers import redis as redis_tier
 

@@ -398,10 +398,10 @@ class ExistenceIndex(TierIndex):
             return
         keys = [self._news.popleft() for _ in range(len(self._news))]  # the other thread only appends
         self.num_told_gone += len(keys)
-        # The fleet hears it now, not when a load finds the entry gone. A notice that comes after this
-        # instance stored the block again (the eviction came first, its notice later) tells a removal
-        # that is stale: a router may then pass over a hit (the safe side of being wrong); lookups
-        # ask the tier itself, so no load is lost either way.
+        # The fleet hears it now, not when a load finds the entry gone. The tier told only entries it
+        # did not hold when asked after the eviction; a store of the block landing between that answer
+        # and this step still meets a removal told after it: a router may then pass over a hit (the
+        # safe side of being wrong); lookups ask the tier itself, so no load is lost either way.
         if self.holdings is not None:
             self.holdings += [("evicted", self.name, key) for key in keys]
         gone = set(keys)  # an answer that found one of them stands no more: the next lookup asks again

@@ -71,7 +71,7 @@ class GoneNotices:
     """The names the server evicts (``maxmemory``) or expires (``remote_ttl_s``), as it publishes them on
     ``__keyevent@<db>__:evicted`` and ``:expired``: with ``notify-keyspace-events`` holding ``E`` and
     ``e``/``x`` (``kvtier serve redis`` sets ``Eex``). Told in batches (a burst of evictions is one
-    message); a lost connection is retried every ``retry_s``. A server that publishes none is said once."""
+    message), less the names stored again meanwhile (``still_gone``); a lost connection is retried every ``retry_s``. A server that publishes none is said once."""
 
     BATCH_S = 0.05  # the longest a notice waits for the next ones of its burst
 
@@ -98,7 +98,7 @@ class GoneNotices:
                 pubsub.subscribe(f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired")
                 failing = False
                 while True:
-                    self._tell_burst(pubsub)
+                    self._tell_burst(pubsub, client)
             except Exception as error:  # the server went away: heard again once it is back
                 if not failing:
                     logger.warning("kvtier: lost the Redis pool's eviction notices (%s); trying again every %.0f s",
@@ -109,7 +109,7 @@ class GoneNotices:
                     close_quietly(client)
             time.sleep(self.retry_s)
 
-    def _tell_burst(self, pubsub) -> None:
+    def _tell_burst(self, pubsub, client) -> None:
         message = pubsub.get_message(timeout=1.0)
         names, until = [], time.monotonic() + self.BATCH_S
         while message is not None:
@@ -119,6 +119,7 @@ class GoneNotices:
                 names.append(name)
             left = until - time.monotonic()
             message = pubsub.get_message(timeout=left) if left > 0 else None
+        names = still_gone(client, names) if names else names
         if names:
             self.num_told += len(names)
             self.tell(names)
@@ -128,6 +129,23 @@ class GoneNotices:
         if missing:
             logger.info("kvtier: the Redis pool %s does not publish its evictions and expiries (%s): routers "
                         "hear of a block it dropped only when a load finds it gone", redact(self.url), missing)
+
+
+def still_gone(client, names: list[str]) -> list[str]:
+    """Those of ``names`` that the server does not hold: one stored again since the notice was published
+    (by this instance or another) is no removal. Asked after the notice came, so the answer is of a moment
+    after the eviction; a store that lands after the answer still meets a removal told. Where the server
+    cannot be asked, every name is told, as the server said it."""
+    import redis
+
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(name)
+    try:
+        held = pipe.execute()
+    except redis.RedisError:
+        return names
+    return [name for name, there in zip(names, held) if not there]
 
 
 def unpublished(client) -> str | None:
