@@ -170,6 +170,13 @@ KEYS: dict[str, _Key] = {
         86400.0, _parse_float, lambda v: 0 <= v <= 10 * 365 * 86400, "a number of seconds >= 0 (0: never)",
         "Redis/Valkey: entries kvtier writes expire after this long (SET EX), so a pool without an "
         "eviction policy does not fill up with KV nobody reads. 0: no expiry. Mooncake evicts on its own."),
+    "remote_audit_s": _Key(
+        10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600] (0: never)",
+        "How often the shared tier is asked whether the blocks this instance stored there are still held "
+        "(up to 4096 of them each time, least recently asked first, in one call off the scheduler's thread): "
+        "what it dropped on its own (Mooncake's evictions, another instance's max_bytes, a Redis that "
+        "publishes no eviction notices) is then announced as removed (KV events) and explains later misses. "
+        "0: only a load that finds a block gone tells it."),
     "store_to": _Key(
         "disk,remote", _parse_tiers, lambda v: True, "a comma-separated subset of disk, remote (or empty)",
         "Tiers that stores are written through to, besides the host pool (where configured)."),
@@ -239,6 +246,7 @@ class KVTierConfig:
     remote_timeout_s: float
     remote_retry_s: float
     remote_ttl_s: float
+    remote_audit_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float
     handoff_stall_s: float

@@ -33,14 +33,15 @@ def keys_of(ids):
 class Instance:
     """One engine's kvtier halves on a fresh KV cache, with only host + pool."""
 
-    def __init__(self, url, **config):
+    def __init__(self, url, track_holdings=False, **config):
         self.tensors = [torch.randint(-5000, 5000, (NB, 1, BS, 16), dtype=torch.int16).view(torch.bfloat16)
                         for _ in range(2)]
         self.config = KVTierConfig.from_sources({"host_bytes": 16 * 2 * BS * 16 * 2, "disk_dir": None,
                                                  "remote_url": url, "remote_timeout_s": 1.0,
                                                  "remote_retry_s": 1.0, **config}, environ={})
         self.worker = TierWorker(self.config, self.tensors, NB, BS, NAMESPACE)
-        self.manager = TierManager(self.config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint])
+        self.manager = TierManager(self.config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint],
+                                   track_holdings=track_holdings)
 
     def run(self, job, submit, timeout=30):
         submit(job)
@@ -277,6 +278,97 @@ def test_an_entry_stored_again_before_its_eviction_notice_is_heard_is_not_told_g
             assert time.monotonic() < deadline, f"the second burst was not told: {told}"
             time.sleep(0.05)
         assert told[1] == ["kvtier/a/02"] and notices.num_told == len(told[0]) + 1
+
+
+@pytest.fixture(params=["redis", "mooncake", "file"])
+def shared_tier(request, tmp_path):
+    """A shared tier of each kind, and how to drop an entry from it as the tier itself would (an
+    eviction, another instance's size bound): behind this instance's back, with no notice."""
+    if request.param == "file":
+        from kvtier.tiers.entry_files import entry_path
+
+        (tmp_path / "shared").mkdir()
+        yield f"file://{tmp_path / 'shared'}", lambda fp, key: entry_path(tmp_path / "shared", fp, key).unlink()
+        return
+    context = local_redis if request.param == "redis" else local_mooncake
+    with context(log_path=str(tmp_path / "pool.log")) as server:
+        if request.param == "redis":
+            import redis
+
+            raw = redis.Redis.from_url(server.url)  # a DEL publishes no eviction notice
+            yield server.url, lambda fp, key: raw.delete(pool_key(fp, key))
+        else:
+            from kvtier.tiers.mooncake import MooncakeClient
+
+            raw = MooncakeClient(server.url, 10.0)
+            yield server.url, lambda fp, key: raw._store.remove(pool_key(fp, key), True)
+        raw.close()
+
+
+def test_what_a_shared_tier_drops_in_silence_is_found_by_asking_about_what_this_instance_stored(shared_tier):
+    """Mooncake says nothing of its evictions, nor a directory of another instance's deletions: every
+    ``remote_audit_s`` the index asks the tier about the blocks this instance stored, and tells those it
+    no longer holds as evicted (a KV event's removal; a later miss's reason), with no load asking for
+    them. Each is told once."""
+    url, drop = shared_tier
+    instance = Instance(url, track_holdings=True, remote_audit_s=0.2)
+    keys, fp = keys_of([1, 2, 3]), instance.worker.rank_fingerprint
+    instance.run(instance.manager.plan_store("a", keys, [1, 2, 3]), instance.worker.submit_store)
+    index, ledger = instance.manager.tiers[0], instance.manager.ledger
+    events = []
+
+    def heard(key):
+        deadline = time.monotonic() + 10
+        while ledger.gone(key) is None:
+            assert time.monotonic() < deadline, "the audit did not find the dropped block"
+            time.sleep(0.02)
+        events.extend(ledger.take_holdings())
+
+    drop(fp, keys[0])
+    heard(keys[0])
+    assert [ledger.gone(key) for key in keys] == [f"evicted_{index.name}", None, None]
+    assert ("evicted", index.name, keys[0]) in events
+    asked = index.audit.num_asked
+    while index.audit.num_asked < asked + 4:  # two more audits: the rest is still there, the dropped one not asked
+        ledger.absorb()
+        time.sleep(0.02)
+    assert index.audit.num_found_gone == 1 and [ledger.gone(key) for key in keys[1:]] == [None, None]
+    drop(fp, keys[2])
+    heard(keys[2])
+    assert index.audit.num_found_gone == 2 and ledger.gone(keys[1]) is None
+    assert index.stats()["evictions"] == 2  # vllm:kvtier_evictions_total{tier}
+    assert events.count(("evicted", index.name, keys[0])) == 1
+    assert instance.manager.host.num_pins == 0
+    instance.close()
+
+
+def test_a_redis_expiry_both_heard_and_found_by_an_audit_is_told_once(tmp_path):
+    """A Redis that publishes its expiries, audited often: an audit's EXISTS expires the entry itself,
+    so the audit and the server's notice learn of it at the same moment. Whichever comes first tells
+    it; the other is no news."""
+    import redis
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        instance = Instance(server.url, track_holdings=True, remote_audit_s=0.02)
+        keys, fp = keys_of(range(1, 13)), instance.worker.rank_fingerprint
+        instance.run(instance.manager.plan_store("a", keys, list(range(1, 13))), instance.worker.submit_store)
+        assert instance.lookup(keys) == 12  # the lookup process is up, and listens for notices
+        time.sleep(0.5)
+        ledger, raw = instance.manager.ledger, redis.Redis.from_url(server.url)
+        for key in keys:
+            raw.pexpire(pool_key(fp, key), 30)
+        deadline, told = time.monotonic() + 10, []
+        while any(ledger.gone(key) is None for key in keys):
+            assert time.monotonic() < deadline, "an expiry was neither heard nor found"
+            told += ledger.take_holdings()
+            time.sleep(0.005)
+        time.sleep(0.5)  # any later notice or audit answer of the same expiries is in by now
+        told += ledger.take_holdings()
+        removed = [key for kind, _, key in told if kind == "evicted"]
+        assert sorted(removed) == sorted(keys)
+        index = instance.manager.tiers[0]
+        assert index.num_told_gone + index.audit.num_found_gone >= len(keys)  # both saw some of them
+        instance.close()
 
 
 def test_existence_queries_never_wait_on_a_silent_pool():

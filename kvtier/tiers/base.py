@@ -288,7 +288,9 @@ class ExistenceIndex(TierIndex):
     ANSWER_REUSE_S = 1.0
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
-                 failed_ttl_s: float = 30.0, max_pending: int = 64):
+                 failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0):
+        from kvtier.tiers.audit import StoredAudit
+
         self.name = name
         self._start = start
         self.timeout_s = timeout_s
@@ -308,6 +310,10 @@ class ExistenceIndex(TierIndex):
         # Bounded: an engine that takes no step for long keeps the latest news only, as the ledger does.
         self._news: deque[bytes] = deque(maxlen=200_000)
         self.num_told_gone = 0
+        self.num_deleted = 0  # by this instance's store, to stay within the tier's bound
+        # What the tier drops in silence (Mooncake's evictions, another instance's bound) is found by
+        # asking it about the blocks this instance stored, every ``audit_s`` (0: never).
+        self.audit = StoredAudit(start, audit_s, timeout_s) if audit_s > 0 else None
 
     def lookup(self, keys, token):
         keys = tuple(keys)
@@ -369,6 +375,8 @@ class ExistenceIndex(TierIndex):
     def complete_store(self, written, failed):
         if self.holdings is not None:
             self.holdings += [("stored", self.name, key) for key in written]
+        if self.audit is not None:
+            self.audit.stored(written)
         if written and self._answered:  # an answer that missed what this instance just wrote stands no more
             written = set(written)
             self._answered = {token: answer for token, answer in self._answered.items()
@@ -381,6 +389,8 @@ class ExistenceIndex(TierIndex):
             # Evicted by another instance or by the store itself: the fleet hears that it is gone, and a
             # later miss of it is explained as evicted from this tier. Stored again, it is offered again.
             self.holdings += [("evicted", self.name, key) for key in gone_keys]
+        if self.audit is not None:
+            self.audit.let_go([*bad_keys, *gone_keys])
         until = time.monotonic() + self._failed_ttl_s
         for key in bad_keys:
             self._failed[key] = until
@@ -389,24 +399,44 @@ class ExistenceIndex(TierIndex):
             now = time.monotonic()
             self._failed = {k: t for k, t in self._failed.items() if t > now}
 
+    def deleted_by_store(self, keys: Sequence[bytes]) -> None:
+        if self.audit is not None:  # told here: no audit finds them again
+            self.audit.let_go(keys)
+        self.num_deleted += len(keys)
+        super().deleted_by_store(keys)
+
     def told_gone(self, keys: Sequence[bytes]) -> None:
         """Any thread: the tier's server evicted or expired these entries."""
         self._news.extend(keys)
 
     def absorb_news(self) -> None:
+        found_gone = self.audit.step() if self.audit is not None else []
+        if found_gone:
+            self._drop_gone(found_gone)
         if not self._news:  # the usual step: nothing told
             return
         keys = [self._news.popleft() for _ in range(len(self._news))]  # the other thread only appends
+        if self.audit is not None:  # what an audit found gone already was told then
+            keys = self.audit.news(keys)
         self.num_told_gone += len(keys)
         # The fleet hears it now, not when a load finds the entry gone. The tier told only entries it
         # did not hold when asked after the eviction; a store of the block landing between that answer
         # and this step still meets a removal told after it: a router may then pass over a hit (the
         # safe side of being wrong); lookups ask the tier itself, so no load is lost either way.
+        self._drop_gone(keys)
+
+    def _drop_gone(self, keys: Sequence[bytes]) -> None:
         if self.holdings is not None:
             self.holdings += [("evicted", self.name, key) for key in keys]
         gone = set(keys)  # an answer that found one of them stands no more: the next lookup asks again
         self._answered = {token: answer for token, answer in self._answered.items()
                           if answer[2] is None or not any(hit and key in gone for key, hit in zip(answer[0], answer[2]))}
+
+    def stats(self) -> dict[str, int]:
+        """Entries this instance deleted for the tier's bound, and those the tier dropped on its own, as
+        its server told them or an audit found them."""
+        found = self.audit.num_found_gone if self.audit is not None else 0
+        return {"evictions": self.num_deleted + self.num_told_gone + found}
 
     def unanswered(self, token: str) -> bool:
         return token in self._unanswered

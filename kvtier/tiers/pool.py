@@ -330,10 +330,12 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
         return _PoolCheck(lookups.check(spec.name, [pool_key(fp, key) for key in keys for fp in ranks]), len(ranks),
                           down)
 
-    index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0))
+    index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
+                           audit_s=spec.options.get("audit_s", 0.0))
     index.lookups = lookups
     lookups.on_gone = lambda names: index.told_gone(_keys_of(names))
-    index.stats = lambda: {"down": down[0]}
+    gone = index.stats
+    index.stats = lambda: {**gone(), "down": down[0]}
     close = index.close
 
     def close_both():

@@ -37,10 +37,7 @@ def validate(url: str) -> None:
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
-    index = make_pool_index(spec, rank_fingerprints)
-    pool_stats = index.stats
-    index.stats = lambda: {**pool_stats(), "evictions": index.num_told_gone}  # as the server said them
-    return index
+    return make_pool_index(spec, rank_fingerprints)
 
 
 def _connector(spec: TierSpec):
