@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.servers import free_port, local_redis
+from kvtier.servers import free_port, local_mooncake, local_redis
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -105,6 +105,42 @@ def test_every_tier_is_announced_under_vllms_own_block_hashes(workdir, model, la
     assert {e.locality for e in pooled} == {"REMOTE"}
     expired = [h for e in tier(removed, "STORAGE", pool) for h in e.block_hashes]
     assert sorted(expired) == sorted(e.block_hashes[0] for e in pooled[:12])  # the first prompt's, told unasked
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_what_mooncake_drops_in_silence_is_announced_as_removed(workdir, model, layout, tmp_path):
+    """Mooncake publishes no evictions. The first prompt's entries are removed from the pool behind
+    the engine's back (as an eviction would) between two requests; the audit (``remote_audit_s``)
+    finds them gone while the second runs, and they are announced as removed from the pool: exactly
+    the first prompt's blocks, with no load asking for them."""
+    from kvtier.tiers.mooncake import MooncakeClient
+
+    port = free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.5)
+    out, go = workdir / f"silent-{layout}.out.json", tmp_path / "removed"
+    with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
+        extra = {"host_bytes": "64MiB", "disk_dir": None, "remote_url": server.url, "remote_audit_s": 0.2}
+        run = threading.Thread(target=apps.run_app, args=(workdir, f"silent-{layout}", {
+            "model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
+            "engine": {**ENGINE, "kv_events_endpoint": f"tcp://*:{port}"},
+            "phases": [{"prompts": [PROMPTS[0]], "max_tokens": 1},
+                       {"prompts": [PROMPTS[1]], "max_tokens": 48, "wait_for": str(go), "idle_s": 1}]}))
+        run.start()
+        apps.wait_for_file(f"{out}.phase0.done")
+        time.sleep(2.0)  # the first prompt's entries are in the pool by now (an idle engine's: within 1 s)
+        raw = MooncakeClient(server.url, 10.0)
+        raw._store.remove_all(True)
+        raw.close()  # before the second prompt's entries: none of them lands in its memory
+        go.touch()
+        run.join()
+    time.sleep(1.0)
+    events = subscriber.events()
+    pooled = [e for e in events if type(e).__name__ == "BlockStored" and (e.ownership or "").startswith("kvtier:mooncake")]
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
+               for h in e.block_hashes]
+    assert len(pooled) == 12 + 13 and {e.locality for e in pooled} == {"REMOTE"}  # the second's, with its answer
+    assert sorted(removed) == sorted(e.block_hashes[0] for e in pooled[:12])  # the first prompt's, once each
 
 
 def test_a_restart_announces_what_the_disk_tier_already_holds(workdir, model, tmp_path):
