@@ -3,6 +3,9 @@
 
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvtier.tiers.audit import StoredAudit
 
 
@@ -103,3 +106,67 @@ def test_only_the_most_recent_blocks_are_followed():
     audit.stored([b"a", b"b", b"c", b"d"])
     audit.step()
     assert checks[-1].keys == [b"b", b"c", b"d"]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "drop", "told", "step", "look", "answer"]), st.integers(0, 2)),
+                max_size=60))
+def test_a_block_is_returned_only_when_the_tier_lacked_it_and_once_per_store(ops):
+    """Any order of stores, drops behind this instance's back, server notices, and audit checks sent,
+    looking at the tier, and answered: a block returned was stored here, was absent when the check
+    looked, was not stored again since the check was sent, and is returned (or told by the server)
+    at most once per store; a block dropped and never stored again is returned or told within a
+    round of audits over every followed block."""
+    held = set()
+    audit, checks = audit_of(held, batch=3)
+    stores = {}  # key -> stores so far
+    told = {}  # key -> (its stores when told, times told for that store)
+    sent_stores = [None]  # the stores so far when the last check was sent
+    noticed = set()  # dropped since their last store, and the server said so
+
+    def tell(key):
+        count, times = told.get(key, (None, 0))
+        told[key] = (stores[key], (times if count == stores[key] else 0) + 1)
+        assert told[key][1] == 1, f"{key!r} told twice for one store"
+
+    def answer():
+        lacked = {key for key, there in zip(checks[-1].keys, checks[-1].answer) if not there}
+        for key in audit.step():
+            assert key in lacked and stores[key] == sent_stores[0][key]  # not stored again since it was sent
+            tell(key)
+
+    def ask():
+        audit.step()
+        if audit._asking is not None:
+            sent_stores[0] = dict(stores)
+
+    for op, n in ops:
+        key = bytes([n])
+        asking = audit._asking is not None
+        if op == "store":
+            stores[key] = stores.get(key, 0) + 1
+            held.add(key)
+            noticed.discard(key)
+            audit.stored([key])
+        elif op == "drop":
+            held.discard(key)
+        elif op == "told" and key in stores and key not in held and key not in noticed:
+            noticed.add(key)  # a server publishes one notice per eviction
+            for fresh in audit.news([key]):
+                tell(fresh)
+        elif op == "step" and not asking:
+            ask()
+        elif op == "look" and asking and not checks[-1].done():
+            checks[-1].give()  # the tier as it is at this moment
+        elif op == "answer" and asking and checks[-1].done():
+            answer()
+    for _ in range(2):  # 3 keys at most, 3 a check: every followed block asked about, after what is out
+        if audit._asking is None:
+            ask()
+        if audit._asking is not None:
+            if not checks[-1].done():
+                checks[-1].give()
+            answer()
+    for key, count in stores.items():
+        if key not in held:
+            assert told.get(key, (None, 0))[0] == count, f"{key!r} dropped and never told"
