@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from kvtier.tiers.audit import StoredAudit
+
 
 UNAVAILABLE = "unavailable: "
 
@@ -289,8 +291,6 @@ class ExistenceIndex(TierIndex):
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
                  failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0):
-        from kvtier.tiers.audit import StoredAudit
-
         self.name = name
         self._start = start
         self.timeout_s = timeout_s

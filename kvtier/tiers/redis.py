@@ -68,7 +68,8 @@ class GoneNotices:
     """The names the server evicts (``maxmemory``) or expires (``remote_ttl_s``), as it publishes them on
     ``__keyevent@<db>__:evicted`` and ``:expired``: with ``notify-keyspace-events`` holding ``E`` and
     ``e``/``x`` (``kvtier serve redis`` sets ``Eex``). Told in batches (a burst of evictions is one
-    message), less the names stored again meanwhile (``still_gone``); a lost connection is retried every ``retry_s``. A server that publishes none is said once."""
+    message), less the names stored again meanwhile (``still_gone``); a lost connection is retried
+    every ``retry_s``. A server that publishes none is said once."""
 
     BATCH_S = 0.05  # the longest a notice waits for the next ones of its burst
 
