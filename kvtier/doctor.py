@@ -115,8 +115,13 @@ def round_trip(spec) -> Check:
 
 
 def _notices(spec) -> str:
-    """For a Redis pool: whether routers hear at once of the blocks it evicts or expires."""
-    if spec.module != "kvtier.tiers.redis" or "+cluster" in urlparse(spec.location).scheme:
+    """For a storage pool: when routers hear of the blocks it evicts or expires."""
+    audit_s = spec.options.get("audit_s", 0)
+    later = (f"within {audit_s:g} s (remote_audit_s) or when a load finds the block gone" if audit_s else
+             "when a load finds the block gone")
+    if spec.module == "kvtier.tiers.mooncake" or "+cluster" in urlparse(spec.location).scheme:
+        return f"; it publishes no evictions: routers hear of them {later}"
+    if spec.module != "kvtier.tiers.redis":
         return ""
     import redis
 
@@ -130,8 +135,7 @@ def _notices(spec) -> str:
     finally:
         client.close()
     return ("; its evictions and expiries are published (routers hear of them at once)" if missing is None else
-            f"; its evictions and expiries are not published ({missing}): routers hear of them when a load "
-            "finds the block gone")
+            f"; its evictions and expiries are not published ({missing}): routers hear of them {later}")
 
 
 def _why(store) -> str:

@@ -38,6 +38,8 @@ def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
     assert "hunter2" not in json.dumps(results) and "redis://:***@" in results[0][1]["redis"]["detail"]
     assert "evictions and expiries are published" in results[0][1]["redis"]["detail"]  # kvtier serve redis's Eex
     assert silent["redis"]["ok"] and "are not published (notify-keyspace-events is " in silent["redis"]["detail"]
+    assert "routers hear of them within 10 s (remote_audit_s)" in silent["redis"]["detail"]
+    assert "publishes no evictions: routers hear of them within 10 s" in results[1][1]["mooncake"]["detail"]
     assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
 
 
