@@ -120,18 +120,22 @@ def test_what_mooncake_drops_in_silence_is_announced_as_removed(workdir, model, 
     time.sleep(0.5)
     out, go = workdir / f"silent-{layout}.out.json", tmp_path / "removed"
     with local_mooncake(log_path=str(tmp_path / "mooncake.log")) as server:
-        extra = {"host_bytes": "64MiB", "disk_dir": None, "remote_url": server.url, "remote_audit_s": 0.2}
+        extra = {"host_bytes": "64MiB", "disk_dir": None, "remote_url": server.url, "remote_audit_s": 0.05}
         run = threading.Thread(target=apps.run_app, args=(workdir, f"silent-{layout}", {
             "model": model, "connector": "kvtier", "extra": extra, "layout": layout, "warmup": False,
             "engine": {**ENGINE, "kv_events_endpoint": f"tcp://*:{port}"},
             "phases": [{"prompts": [PROMPTS[0]], "max_tokens": 1},
-                       {"prompts": [PROMPTS[1]], "max_tokens": 48, "wait_for": str(go), "idle_s": 1}]}))
+                       # Steps for a second or more: audits every 0.05 s meanwhile (an answer the first
+                       # phase left in flight, from before the removal, is taken in its first step).
+                       {"prompts": [PROMPTS[1]], "max_tokens": 400, "wait_for": str(go), "idle_s": 1}]}))
         run.start()
         apps.wait_for_file(f"{out}.phase0.done")
-        time.sleep(2.0)  # the first prompt's entries are in the pool by now (an idle engine's: within 1 s)
-        raw = MooncakeClient(server.url, 10.0)
-        raw._store.remove_all(True)
-        raw.close()  # before the second prompt's entries: none of them lands in its memory
+        raw, removed, deadline = MooncakeClient(server.url, 10.0), 0, time.monotonic() + 60
+        while removed < 12:  # the first prompt's entries, removed as they land (on an idle engine too)
+            assert time.monotonic() < deadline, f"{removed} of the first prompt's 12 entries reached the pool"
+            removed += max(0, raw._store.remove_by_regex("^kvtier/", True))
+            time.sleep(0.05)
+        raw.close()
         go.touch()
         run.join()
     time.sleep(1.0)
@@ -139,7 +143,7 @@ def test_what_mooncake_drops_in_silence_is_announced_as_removed(workdir, model, 
     pooled = [e for e in events if type(e).__name__ == "BlockStored" and (e.ownership or "").startswith("kvtier:mooncake")]
     removed = [h for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
                for h in e.block_hashes]
-    assert len(pooled) == 12 + 13 and {e.locality for e in pooled} == {"REMOTE"}  # the second's, with its answer
+    assert len(pooled) > 12 + 12 and {e.locality for e in pooled} == {"REMOTE"}  # the second's, with its answer
     assert sorted(removed) == sorted(e.block_hashes[0] for e in pooled[:12])  # the first prompt's, once each
 
 
