@@ -58,7 +58,7 @@ def watch_gone(spec: TierSpec, prefixes, tell) -> None:
     on a thread of their own (``GoneNotices``). Redis Cluster's notices stay on each node: not heard."""
     if urlparse(spec.location).scheme.endswith("+cluster"):
         logger.info("kvtier: a Redis Cluster's evictions are not heard as they come; an evicted block is "
-                    "noticed when a load finds it gone")
+                    "noticed by the audit (remote_audit_s) or when a load finds it gone")
         return
     notices = GoneNotices(spec.location, spec.timeout_s, spec.retry_s, tuple(prefixes), tell)
     threading.Thread(target=notices.run, daemon=True, name="kvtier-redis-gone").start()
@@ -126,7 +126,8 @@ class GoneNotices:
         missing = unpublished(client)
         if missing:
             logger.info("kvtier: the Redis pool %s does not publish its evictions and expiries (%s): routers "
-                        "hear of a block it dropped only when a load finds it gone", redact(self.url), missing)
+                        "hear of a block it dropped through the audit (remote_audit_s) or when a load finds it gone",
+                        redact(self.url), missing)
 
 
 def still_gone(client, names: list[str]) -> list[str]:
