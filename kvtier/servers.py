@@ -144,6 +144,9 @@ def serve(kind: str, memory: str = "1GB") -> None:
     SIGTERM stops it like Ctrl-C: its servers run in sessions of their own, so only
     this process can stop them, on the way out of ``with``."""
     signal.signal(signal.SIGTERM, _interrupt)
+    # Set even where SIGINT came in ignored (a job started in the background by a shell without job
+    # control), in which case Python raises no KeyboardInterrupt: a SIGINT sent to it must stop it.
+    signal.signal(signal.SIGINT, _interrupt)
     context = local_mooncake(storage=memory) if kind == "mooncake" else local_redis(maxmemory=memory.lower())
     with context as server:
         print(f"remote_url: {server.url}", flush=True)

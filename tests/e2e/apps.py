@@ -1,9 +1,13 @@
 """Running ``kvtier.demo.runner`` as a separate process from a test."""
 
+import atexit
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,31 +17,112 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, env: dict | None = None,
             timeout: float = 600):
     """Run one engine process on ``spec``; its JSON result, or its output if it must fail.
-    Checks that no process the run started outlives it (kvtier's I/O processes included)."""
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    Checks that no process the run started outlives it (kvtier's I/O processes included).
+
+    The process is forked from the session's zygote (``tests.e2e.zygote``), which has imported
+    vLLM and kvtier once; a run whose environment differs from the zygote's in anything a module
+    may read at import starts ``python -m kvtier.demo.runner`` itself instead."""
+    spec_path, out_path, log_path = (workdir / f"{name}.{part}" for part in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
     marker = f"{workdir}/{name}"  # the full path: runs of two test sessions at once differ
-    proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {}), "KVT_TEST_RUN": marker})
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # kept for a failing test's reader
-    left = survivors(marker)
+    run_env = {**os.environ, **(env or {}), "KVT_TEST_RUN": marker}
+    group = None
+    if _ZYGOTE.serves(run_env):
+        returncode, group = _ZYGOTE.run(spec_path, out_path, log_path, run_env, timeout)
+        output = log_path.read_text(errors="replace")
+    else:
+        proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env=run_env)
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+        log_path.write_text(output)  # kept for a failing test's reader
+    left = survivors(marker, group)
     assert not left, f"processes of run {name} outlived it: {left}"
     if expect_failure:
-        assert proc.returncode != 0, "vLLM started although the configuration is invalid"
-        return proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stderr[-6000:]
+        assert returncode != 0, "vLLM started although the configuration is invalid"
+        return output
+    assert returncode == 0, output[-6000:]
     return json.loads(out_path.read_text())
 
 
-def marked(marker: str) -> list[tuple[int, str]]:
-    """(pid, command line) of the live processes started by the run marked ``marker``."""
+# What the zygote's environment may differ in from a run's: read when an engine starts, never at import.
+_READ_AT_RUN = ("KVT_TEST_RUN", "KVTIER_", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "PYTEST_CURRENT_TEST")
+
+
+class _Zygote:
+    """The session's ``tests.e2e.zygote`` process, started at its first use, ended with the session."""
+
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._answers: dict[str, dict] = {}
+        self._changed = threading.Condition()
+        self._ids = itertools.count()
+
+    def serves(self, env: dict) -> bool:
+        with self._lock:
+            if self._proc is None:
+                self._start()
+        differ = {key for key in env.keys() | self._env.keys() if env.get(key) != self._env.get(key)}
+        return self._proc.poll() is None and not any(not key.startswith(_READ_AT_RUN) for key in differ)
+
+    def _start(self) -> None:
+        self._env = {key: value for key, value in os.environ.items() if not key.startswith("KVT_TEST_RUN")}
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote"], cwd=ROOT, env=self._env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self._proc.stdin.close)  # it exits when the session does
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            with self._changed:
+                self._answers.setdefault(message["id"], {}).update(message)
+                self._changed.notify_all()
+
+    def _wait(self, request_id: str, key: str, timeout: float | None) -> dict | None:
+        with self._changed:
+            self._changed.wait_for(lambda: key in self._answers.get(request_id, {}), timeout)
+            return self._answers.get(request_id, {}).get(key)
+
+    def run(self, spec_path: Path, out_path: Path, log_path: Path, env: dict, timeout: float) -> tuple[int, int]:
+        """(returncode, process group) of one run; past ``timeout`` it is killed, as ``subprocess.run`` does."""
+        request_id = str(next(self._ids))
+        request = {"id": request_id, "spec": str(spec_path), "out": str(out_path), "log": str(log_path),
+                   "cwd": str(ROOT), "env": env}
+        with self._lock:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        pid = self._wait(request_id, "pid", 60)
+        assert pid is not None, "the zygote did not start the run"
+        status = self._wait(request_id, "status", timeout)
+        if status is None:
+            os.killpg(pid, signal.SIGKILL)
+            self._wait(request_id, "status", 60)
+            raise subprocess.TimeoutExpired(f"run {spec_path}", timeout)
+        return status, pid
+
+
+_ZYGOTE = _Zygote()
+
+
+def marked(marker: str, group: int | None = None) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes started by the run marked ``marker``: those whose
+    environment carries it, and those of process group ``group`` (a run forked by the zygote and the
+    processes it forked in turn, which keep the zygote's original environment)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if not proc.name.isdigit() or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            if not proc.name.isdigit():
                 continue
-            if f"KVT_TEST_RUN={marker}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] == "Z":
+                continue
+            if (group is not None and int(stat[2]) == group) or \
+                    f"KVT_TEST_RUN={marker}".encode() in (proc / "environ").read_bytes().split(b"\0"):
                 found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(
                     errors="replace")))
         except OSError:
@@ -45,11 +130,11 @@ def marked(marker: str) -> list[tuple[int, str]]:
     return found
 
 
-def survivors(marker: str, grace_s: float = 5.0) -> list[str]:
+def survivors(marker: str, group: int | None = None, grace_s: float = 5.0) -> list[str]:
     """Command lines of live processes started by the run marked ``marker``, after a grace period."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = [cmdline for _, cmdline in marked(marker)]
+        found = [cmdline for _, cmdline in marked(marker, group)]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
