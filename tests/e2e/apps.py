@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,14 +28,16 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     marker = f"{workdir}/{name}"  # the full path: runs of two test sessions at once differ
     run_env = {**os.environ, **(env or {}), "KVT_TEST_RUN": marker}
     group = None
-    if _ZYGOTE.serves(run_env):
+    differs = _ZYGOTE.differs(run_env)
+    if not differs:
         returncode, group = _ZYGOTE.run(spec_path, out_path, log_path, run_env, timeout)
         output = log_path.read_text(errors="replace")
     else:
         proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout, env=run_env)
         returncode, output = proc.returncode, proc.stdout + proc.stderr
-        log_path.write_text(output)  # kept for a failing test's reader
+        # Kept for a failing test's reader, with why this run did not come from the zygote.
+        log_path.write_text(f"started without the zygote: its environment differs in {sorted(differs)}\n{output}")
     left = survivors(marker, group)
     assert not left, f"processes of run {name} outlived it: {left}"
     if expect_failure:
@@ -44,13 +47,16 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     return json.loads(out_path.read_text())
 
 
-# What the zygote's environment may differ in from a run's: read when an engine starts, never at import.
+# What a run's environment may differ in from the zygote's: read when an engine starts, never at import.
 _READ_AT_RUN = ("KVT_TEST_RUN", "KVTIER_", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
                 "PYTEST_CURRENT_TEST")
 
 
 class _Zygote:
-    """The session's ``tests.e2e.zygote`` process, started at its first use, ended with the session."""
+    """The session's ``tests.e2e.zygote`` process. It is started at its first use with this process's
+    environment, started anew when that environment has changed since (a test's own process may set
+    variables, as Mooncake's client setup does), and ends with the session. A zygote replaced ends
+    once its runs have."""
 
     def __init__(self):
         self._proc: subprocess.Popen | None = None
@@ -60,24 +66,31 @@ class _Zygote:
         self._changed = threading.Condition()
         self._ids = itertools.count()
 
-    def serves(self, env: dict) -> bool:
+    def differs(self, run_env: dict) -> set[str]:
+        """The variables, not read at run time only, in which ``run_env`` differs from the zygote's
+        environment (empty: the zygote runs it), the zygote (re)started first where needed."""
+        env = {key: value for key, value in os.environ.items() if not key.startswith(_READ_AT_RUN)}
         with self._lock:
-            if self._proc is None:
-                self._start()
-        differ = {key for key in env.keys() | self._env.keys() if env.get(key) != self._env.get(key)}
-        return self._proc.poll() is None and not any(not key.startswith(_READ_AT_RUN) for key in differ)
+            if self._proc is None or self._proc.poll() is not None or env != self._env:
+                self._start(env)
+        return {key for key in run_env.keys() | self._env.keys()
+                if run_env.get(key) != self._env.get(key) and not key.startswith(_READ_AT_RUN)}
 
-    def _start(self) -> None:
-        self._env = {key: value for key, value in os.environ.items() if not key.startswith("KVT_TEST_RUN")}
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote"], cwd=ROOT, env=self._env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self._proc.stdout.readline()
-        assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
-        threading.Thread(target=self._read, daemon=True).start()
-        atexit.register(self._proc.stdin.close)  # it exits when the session does
+    def _start(self, env: dict[str, str]) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()  # it takes no new run, and ends once its runs have
+        self._env = env
+        errors = open(os.path.join(tempfile.gettempdir(), f"kvtier-zygote-{os.getpid()}.log"), "a")
+        proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote"], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
+        ready = proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"the zygote did not start ({errors.name}): {ready!r}"
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        atexit.register(proc.stdin.close)  # it ends with the session
+        self._proc = proc
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
             message = json.loads(line)
             with self._changed:
                 self._answers.setdefault(message["id"], {}).update(message)
@@ -93,7 +106,7 @@ class _Zygote:
         request_id = str(next(self._ids))
         request = {"id": request_id, "spec": str(spec_path), "out": str(out_path), "log": str(log_path),
                    "cwd": str(ROOT), "env": env}
-        with self._lock:
+        with self._lock:  # the zygote that ``differs`` checked, unless the environment changed in between
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
         pid = self._wait(request_id, "pid", 60)

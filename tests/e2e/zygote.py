@@ -7,9 +7,10 @@ process), as ``python -m kvtier.demo.runner`` would be, without the import. A ch
 leads a process group of its own, so that processes it forks are found after it.
 
 Protocol, one JSON object per line: the test writes ``{"id", "spec", "out", "log",
-"cwd", "env"}`` on stdin; this process answers ``{"id", "pid"}`` once the child runs
-and ``{"id", "status"}`` (as ``subprocess``'s returncode) once it has ended. It exits
-when its stdin closes.
+"cwd", "env"}`` on stdin; this process answers on its stdout, which nothing else writes
+to (what an import prints goes to stderr), ``{"id", "pid"}`` once the child runs and
+``{"id", "status"}`` (as ``subprocess``'s returncode) once it has ended. Once its stdin
+closes it takes no new run, and exits when its runs have ended.
 """
 
 import importlib
@@ -19,13 +20,16 @@ import select
 import sys
 
 
+_ANSWERS = -1  # this process's own stdout, kept for the answers
+
+
 def _report(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()  # before any fork: a child must not inherit unwritten answers
+    os.write(_ANSWERS, (json.dumps(message) + "\n").encode())  # unbuffered: a child inherits nothing unwritten
 
 
 def _child(request: dict) -> None:
     """The run itself, in the forked child: its own group, output, directory and environment."""
+    os.close(_ANSWERS)
     os.setpgid(0, 0)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
@@ -43,6 +47,9 @@ def _child(request: dict) -> None:
 
 
 def main() -> None:
+    global _ANSWERS
+    _ANSWERS = os.dup(1)
+    os.dup2(2, 1)  # what vLLM prints on import (to stdout, in some releases) must not mix with the answers
     # What a run imports, imported once; the run's own work (the engine, kvtier's threads and
     # processes, the AMX permission) starts in each child.
     for module in ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.config", "kvtier.demo.engine",
@@ -52,18 +59,24 @@ def main() -> None:
     _report({"ready": os.getpid()})
     running: dict[int, str] = {}
     pending = b""
+    closing = False
     while True:
-        readable, _, _ = select.select([0], [], [], 0.1)
+        readable, _, _ = select.select([] if closing else [0], [], [], 0.1)
         while running:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             _report({"id": running.pop(pid), "status": os.waitstatus_to_exitcode(status)})
+        if closing:  # the test session has ended, or started another zygote: end once the runs have
+            if not running:
+                return
+            continue
         if not readable:
             continue
         data = os.read(0, 1 << 16)  # unbuffered: select must see every request not yet read
         if not data:
-            return  # the test session has ended
+            closing = True
+            continue
         *lines, pending = (pending + data).split(b"\n")
         for line in lines:
             request = json.loads(line)
@@ -84,6 +97,7 @@ def main() -> None:
                 sys.exit(0)
             running[pid] = request["id"]
             _report({"id": request["id"], "pid": pid})
+
 
 if __name__ == "__main__":
     main()
