@@ -80,11 +80,12 @@ class _Zygote:
         if self._proc is not None:
             self._proc.stdin.close()  # it takes no new run, and ends once its runs have
         self._env = env
-        errors = open(os.path.join(tempfile.gettempdir(), f"kvtier-zygote-{os.getpid()}.log"), "a")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote"], cwd=ROOT, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
+        errors = os.path.join(tempfile.gettempdir(), f"kvtier-zygote-{os.getpid()}.log")
+        with open(errors, "a") as log:  # the zygote holds its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote"], cwd=ROOT, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         ready = proc.stdout.readline()
-        assert ready.startswith('{"ready"'), f"the zygote did not start ({errors.name}): {ready!r}"
+        assert ready.startswith('{"ready"'), f"the zygote did not start ({errors}): {ready!r}"
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         atexit.register(proc.stdin.close)  # it ends with the session
         self._proc = proc
@@ -96,7 +97,8 @@ class _Zygote:
                 self._answers.setdefault(message["id"], {}).update(message)
                 self._changed.notify_all()
 
-    def _wait(self, request_id: str, key: str, timeout: float | None) -> dict | None:
+    def _wait(self, request_id: str, key: str, timeout: float | None) -> int | None:
+        """The run's ``key`` (its "pid", or its exit "status") once the zygote has told it; None past ``timeout``."""
         with self._changed:
             self._changed.wait_for(lambda: key in self._answers.get(request_id, {}), timeout)
             return self._answers.get(request_id, {}).get(key)
