@@ -90,6 +90,46 @@ def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(fir
     assert state["host_used"] <= state["host_slots"]
 
 
+def preemption_prompts():
+    """Ten prompts of 300 to 600 tokens, no two sharing a block: every hit kvtier serves them is a
+    resumed request's own blocks."""
+    rng = random.Random(11)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randrange(300, 600))] for _ in range(10)]
+
+
+@pytest.fixture(scope="module")
+def preemption_reference(workdir, model):
+    return run_app(workdir, "preemption-reference", {"model": model, "warmup": False, "phases": [
+        {"prompts": preemption_prompts(), "max_tokens": 160, "mode": "concurrent"}]})
+
+
+@pytest.mark.parametrize("layout", ["in_process", "multiprocess"])
+def test_requests_preempted_by_a_full_vllm_cache_resume_from_kvtier_correct_and_leak_nothing(
+        workdir, model, preemption_reference, layout, tmp_path):
+    """vLLM's cache of 36 blocks holds about two of the ten requests: as running ones grow, vLLM preempts
+    others and frees their blocks (6 preemptions and 106 blocks loaded, in one run); resumed, they
+    load what kvtier stored of them (vLLM's prefix cache is off). Outputs equal a run with room for all.
+    kvtier's counters are read in the one-process layout; the default layout runs the same requests
+    on the same cache, checked for outputs and for no process left behind."""
+    engine = {**ENGINE, "max_model_len": 1024, "num_blocks": 36}
+    extra = {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk")}
+    run = run_app(workdir, f"preempted-{layout}", {
+        "model": model, "connector": "kvtier", "extra": extra, "engine": engine, "layout": layout, "warmup": False,
+        "phases": [{"prompts": preemption_prompts(), "max_tokens": 160, "mode": "concurrent"}]})
+    expected, outputs = preemption_reference["phases"][0]["outputs"], run["phases"][0]["outputs"]
+    assert sorted(outputs) == sorted(expected)
+    for req_id, out in outputs.items():
+        assert out["tokens"] == expected[req_id]["tokens"], f"request {req_id} differs"
+    if layout == "in_process":
+        state, delta = run["kvtier"], run["phases"][0]["kvtier_delta"]
+        assert state["preemptions"] > 0, "the cache should be too small for the requests at once"
+        assert delta["hit_tokens_host"] + delta["hit_tokens_disk"] > 0  # resumed requests loaded their blocks
+        assert state["stats"]["failed_load_blocks"] == 0
+        assert state["host_pins"] == 0 and state["tier_pins"] == 0 and state["pending_jobs"] == 0
+        assert state["worker_jobs_in_flight"] == 0 and state["transfers_in_flight"] == 0
+        assert state["tracked_requests"] == 0 and state["engine_requests"] == 0
+
+
 def test_a_small_host_pool_evicts_to_disk_and_stays_correct(first_process):
     state = first_process["kvtier"]
     assert state["host_evictions"] > 0

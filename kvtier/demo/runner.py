@@ -107,6 +107,7 @@ def kvtier_state(llm) -> dict:
         "pending_waves": scheduler.num_pending_waves,  # loads larger than the host pool, under way
         "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store
         "tracked_requests": scheduler.num_tracked_requests,
+        "preemptions": scheduler.requests.num_preempted,  # vLLM freed a running request's blocks
         "handoff_waiting": scheduler.handoffs.num_waiting,  # requests waiting for a producer's blocks
         "handoff_timeouts": scheduler.handoffs.num_timeouts,
         "handoff_stalls": scheduler.handoffs.num_stalls,  # its producer sent no new block for handoff_stall_s

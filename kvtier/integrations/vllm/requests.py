@@ -33,6 +33,7 @@ class Requests:
         self.block_size = block_size
         self.on_keyed: Callable | None = None  # (request, new keys, first block, block size): KV events
         self._states: dict[str, RequestState] = {}
+        self.num_preempted = 0  # preemptions of followed requests (each one's blocks freed by vLLM)
 
     def state(self, request) -> RequestState:
         state = self._states.get(request.request_id)
@@ -98,6 +99,7 @@ class Requests:
         for req_id in scheduler_output.preempted_req_ids or ():
             state = self._states.get(req_id)
             if state is not None:
+                self.num_preempted += 1
                 waits += state.store_job_ids
                 state.store_job_ids = set()
                 state.block_ids = []
