@@ -89,8 +89,8 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def send(sock: socket.socket, message) -> None:
-    body = _encoder.encode(message)
+def send(sock: socket.socket, message, encoder: msgspec.msgpack.Encoder = _encoder) -> None:
+    body = encoder.encode(message)
     sock.sendall(_LENGTH.pack(len(body)) + body)
 
 
@@ -128,10 +128,11 @@ class FrameReader:
         return messages
 
 
-def receive(sock: socket.socket):
-    """The next message, or None when the other side has gone (EOF)."""
+def receive(sock: socket.socket, decoder: msgspec.msgpack.Decoder = _decoder):
+    """The next message, or None when the other side has gone (EOF). Another channel's frames are
+    read with its own ``decoder`` (msgspec's ``DecodeError`` where one does not decode)."""
     head = _recv_exactly(sock, _LENGTH.size)
     if head is None:
         return None
     body = _recv_exactly(sock, _LENGTH.unpack(head)[0])
-    return None if body is None else _decoder.decode(body)
+    return None if body is None else decoder.decode(body)

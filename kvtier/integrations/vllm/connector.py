@@ -8,6 +8,7 @@ between vLLM releases lives in ``compat``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry
-from kvtier.integrations.vllm.shutdown_drain import register_scheduler_side
+from kvtier.integrations.vllm.shutdown_drain import DrainServer
 
 
 class KVTierConnector(VllmCompat, KVConnectorBase_V1):
@@ -32,6 +33,7 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
                              f"must name one (mooncake://... or redis://...)")
         geometry = engine_geometry(vllm_config, kv_cache_config, self.kvtier_config)
         self._scheduler_side = None
+        self._drain: DrainServer | None = None
         self._worker_side = None
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.integrations.vllm.scheduler_side import SchedulerSide
@@ -42,13 +44,17 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
             events_config = getattr(vllm_config, "kv_events_config", None)
             self._scheduler_side = SchedulerSide(self.kvtier_config, geometry, kv_role,
                                                  kv_events=bool(getattr(events_config, "enable_kv_cache_events", 0)))
-            register_scheduler_side(self._kv_transfer_config.engine_id, self._scheduler_side)
+            # Every scheduler hook below holds this lock: at shutdown, kvtier's own thread plans the
+            # workers' last stores (``shutdown_drain``) while vLLM's thread waits for them to exit.
+            self._lock = threading.RLock()  # re-entrant: a hook vLLM calls from within another never deadlocks
+            if self._scheduler_side.stores_enabled:
+                self._drain = DrainServer(self._scheduler_side, self._lock, geometry.tp_rank_count,
+                                          self.kvtier_config.shutdown_flush_s)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from kvtier.integrations.vllm.worker_side import WorkerSide
-            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role,
-                                           engine_id=self._kv_transfer_config.engine_id)
+            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role)
 
     # --- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -79,7 +85,8 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         return self._worker_side.handshake() if self._worker_side is not None else None
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
-        self._scheduler_side.on_handshake(metadata)
+        with self._lock:
+            self._scheduler_side.on_handshake(metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side.get_finished(finished_req_ids)
@@ -94,7 +101,10 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         if self._worker_side is not None:
             self._worker_side.shutdown()
         if self._scheduler_side is not None:
-            self._scheduler_side.shutdown()
+            if self._drain is not None:
+                self._drain.close()  # vLLM has stopped the workers: their drains are over
+            with self._lock:
+                self._scheduler_side.shutdown()
 
     def _metadata(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
@@ -103,24 +113,33 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
 
     # --- scheduler side -------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._lock:
+            return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._lock:
+            self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        return self._scheduler_side.build_connector_meta(scheduler_output)
+        with self._lock:
+            meta = self._scheduler_side.build_connector_meta(scheduler_output)
+        if self._drain is not None:
+            meta.drain_address = self._drain.address  # every step's: a worker shuts down with the last it saw
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler_side.update_connector_output(connector_output)
+        with self._lock:
+            self._scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side.request_finished(request, block_ids)
+        with self._lock:
+            return self._scheduler_side.request_finished(request, block_ids)
 
     def get_kv_connector_stats(self):
         if self._scheduler_side is None:
             return None  # the scheduler side counts everything, from the workers' reports
-        return self._scheduler_side.collect_stats()
+        with self._lock:
+            return self._scheduler_side.collect_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
@@ -134,10 +153,14 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
 
     def take_events(self):
         # kvtier's tiers, in vLLM's KV events (when --kv-events-config enables them).
-        return self._scheduler_side.take_events() if self._scheduler_side is not None else ()
+        if self._scheduler_side is None:
+            return ()
+        with self._lock:
+            return self._scheduler_side.take_events()
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until every job has been reported (the reports
         # release pins, and stores are durable only once reported) and every finished
         # request's blocks are stored.
-        return self._scheduler_side.has_pending_work
+        with self._lock:
+            return self._scheduler_side.has_pending_work

@@ -30,6 +30,8 @@ class KVTierMetadata(KVConnectorMetadata):
     # An idle step where requests wait for a producer's blocks (``handoffs``): the worker waits this long,
     # or until a job finishes, rather than have the engine spin on the cores the pool's writers need.
     idle_wait_s: float = 0.0
+    # Where the scheduler side serves the workers' drain at their shutdown (``shutdown_drain``); "": nowhere.
+    drain_address: str = ""
 
 
 @dataclass

@@ -27,10 +27,8 @@ logger = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both",
-                 engine_id: str | None = None):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both"):
         self.config = config
-        self.engine_id = engine_id
         self.geometry = geometry
         self.tp_rank = tp_rank
         self.is_producer = role == "kv_producer"
@@ -48,6 +46,7 @@ class WorkerSide:
         self._idle_wait_s = 0.0  # ... and requests wait for a producer's blocks: wait this long
         self._reports = []
         self._load_error_block_ids: set[int] = set()
+        self._drain_address = ""  # the scheduler side's, for the last stores at shutdown (``shutdown_drain``)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [name for name in self.geometry.layer_names if name not in kv_caches]
@@ -107,6 +106,7 @@ class WorkerSide:
         # in a step without a forward, and a finished request's wait often comes in one). Their
         # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
         self._send_waits.update(meta.send_waits)
+        self._drain_address = meta.drain_address or self._drain_address
         self._idle_step = meta.idle
         self._idle_wait_s = meta.idle_wait_s
         for job in self._new_jobs(meta.finished_store_jobs):  # their KV is in place: no forward to wait for
@@ -219,14 +219,14 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
-        """Stores of finished requests still unstored (one-process layout, ``shutdown_drain``), then the
-        writes under way: together within ``shutdown_flush_s``."""
+        """Stores of finished requests still unstored (planned by the scheduler side, ``shutdown_drain``),
+        then the writes under way: together within ``shutdown_flush_s``."""
         if self.tier_worker is None or self.tier_worker.closed:
             return
         deadline = time.monotonic() + self.config.shutdown_flush_s
-        if self.tier_worker.io is not None and self.engine_id is not None:
+        if self.tier_worker.io is not None and self._drain_address:
             try:
-                drain_finished_requests(self.engine_id, self, self.config.shutdown_flush_s)
+                drain_finished_requests(self, self._drain_address, deadline)
             except Exception:  # what is queued is still flushed below
                 logger.exception("kvtier: storing finished requests' blocks at shutdown failed")
         self.tier_worker.close(max(0.0, deadline - time.monotonic()))
