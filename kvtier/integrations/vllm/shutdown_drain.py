@@ -167,6 +167,7 @@ def drain_finished_requests(worker_side: WorkerSide, address: str, deadline: flo
     (``time.monotonic()``). Nothing to do where no scheduler side is in reach of this process."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        sock.settimeout(max(0.0, deadline - time.monotonic()))  # a Unix socket's connect waits while its backlog is full
         try:
             sock.connect(address)
         except OSError:  # the scheduler is in another host's or network namespace's process, or gone
