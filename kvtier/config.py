@@ -196,7 +196,8 @@ KEYS: dict[str, _Key] = {
         "(a new request waits as long at most). 0: never waits."),
     "shutdown_flush_s": _Key(
         10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600]",
-        "At a clean shutdown, how long kvtier's I/O process may take to finish the disk and pool writes "
+        "At a clean shutdown, how long kvtier may take to store finished requests' blocks still waiting for "
+        "host slots (planned for every worker by the scheduler side) and to finish the disk and pool writes "
         "already queued; what is left then is dropped and logged."),
     "load_failure_policy": _Key(
         "recompute", str, lambda v: v in ("recompute", "fail"), "'recompute' or 'fail'",
