@@ -122,20 +122,22 @@ def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_wh
             assert len(entries_in(disk)) == (i + 1) * FULL_BLOCKS, f"run {i}"
 
 
-@pytest.mark.parametrize("layout,tp", [("in_process", 1), ("in_process", 2), ("multiprocess", 2)])
+@pytest.mark.parametrize("layout,tp,first_rank", [("in_process", 1, False), ("in_process", 2, False),
+                                                 ("in_process", 2, True), ("multiprocess", 2, False)])
 def test_a_prompt_larger_than_the_host_pool_is_stored_whole_before_the_process_exits(workdir, model, tmp_path,
-                                                                                      layout, tp):
+                                                                                      layout, tp, first_rank):
     """The scheduler in the caller's process: nothing steps the engine after the last request, and vLLM
     stops the workers (with tensor parallelism, processes of their own) before the scheduler. The blocks
     of a prompt larger than the host pool's free slots that still wait for one are stored all the same:
     each worker, at its shutdown, runs the scheduler side's last plans, over kvtier's own channel. (With
     the engine core in a process of its own, vLLM steps it while kvtier has work; its workers find
-    nothing left at their shutdown.) Every block is on disk afterwards, for every rank, and nothing is
-    said lost."""
+    nothing left at their shutdown.) Every block is on disk afterwards, for every rank (rank 0's alone
+    with ``save_only_first_rank``, where the other rank has no tier but still runs every plan), and
+    nothing is said lost."""
     slot_bytes = 3 * 2 * 1 * 64 * 4 * BLOCK  # one KV head, on every rank
     disk = tmp_path / "disk"
-    extra = {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk)}
-    name = f"exit-{layout}-tp{tp}-small-pool"
+    extra = {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk), "save_only_first_rank": first_rank}
+    name = f"exit-{layout}-tp{tp}{'-first-rank' * first_rank}-small-pool"
     apps.run_app(workdir, name, {
         "model": model, "connector": "kvtier", "engine": {**ENGINE, "tensor_parallel_size": tp}, "warmup": False,
         "layout": layout, "extra": extra, "phases": [{"prompts": [PROMPT], "max_tokens": 1, "drain": False}]},
@@ -143,8 +145,9 @@ def test_a_prompt_larger_than_the_host_pool_is_stored_whole_before_the_process_e
     log = (workdir / f"{name}.log").read_text()
     assert "finished requests not stored" not in log
     assert "the last stores ended early" not in log and "serving the workers' last stores failed" not in log
+    assert "workers asked for the last stores" not in log  # every rank came
     assert FULL_BLOCKS > 8  # more blocks than host slots: the rest waited for the drain
-    assert len(entries_in(disk)) == tp * FULL_BLOCKS  # each rank its own entries
+    assert len(entries_in(disk)) == (1 if first_rank else tp) * FULL_BLOCKS  # each rank its own entries
 
 
 @pytest.mark.parametrize("kind", ["file", "mooncake"])

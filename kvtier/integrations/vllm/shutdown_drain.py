@@ -141,7 +141,7 @@ class DrainServer:
         deadline = time.monotonic() + self._budget_s
         while (left := deadline - time.monotonic()) > 0:
             with self._lock:
-                if not side.num_finishing:
+                if not side.num_finishing or not side.manager.tiers:  # nothing left, or nothing outlives the process
                     return
                 meta = side.finishing_meta()
             step = Step(meta, min(left, STEP_WAIT_S))

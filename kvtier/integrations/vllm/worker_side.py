@@ -224,7 +224,7 @@ class WorkerSide:
         if self.tier_worker is None or self.tier_worker.closed:
             return
         deadline = time.monotonic() + self.config.shutdown_flush_s
-        if self.tier_worker.io is not None and self._drain_address:
+        if self._drain_address:  # every rank, those without tiers too (``save_only_first_rank``): each reports each job
             try:
                 drain_finished_requests(self, self._drain_address, deadline)
             except Exception:  # what is queued is still flushed below
