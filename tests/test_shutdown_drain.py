@@ -77,3 +77,19 @@ def test_a_worker_never_waits_past_its_deadline_on_a_scheduler_side_that_does_no
     assert 0.5 <= time.monotonic() - began < 2.0
     held.release()
     server.close()
+
+
+def test_a_connection_that_is_no_worker_is_refused_and_the_workers_are_still_served():
+    import socket
+
+    server = DrainServer(NothingToStore(), threading.Lock(), num_ranks=1, budget_s=2.0)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(server.address)
+    stranger.sendall(b"\x04\x00\x00\x00junk")  # a frame that is no Hello
+    began = time.monotonic()
+    drain_finished_requests(Rank(0), server.address, time.monotonic() + 10)
+    assert time.monotonic() - began < 2.0  # let go at once: nothing to store
+    server._thread.join(2.0)
+    assert not server._thread.is_alive() and server.num_steps == 0
+    stranger.close()
+    server.close()

@@ -129,8 +129,11 @@ class DrainServer:
                 worker.close()
                 continue
             worker.settimeout(self._budget_s + 1.0)
-            hello = receive(worker, _decoder)
-            if not isinstance(hello, Hello):
+            try:
+                hello = receive(worker, _decoder)
+            except (OSError, msgspec.DecodeError):
+                hello = None
+            if not isinstance(hello, Hello):  # not a worker of this engine: the real ones may still come
                 worker.close()
                 continue
             workers.append(worker)
