@@ -122,12 +122,13 @@ def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_wh
             assert len(entries_in(disk)) == (i + 1) * FULL_BLOCKS, f"run {i}"
 
 
-@pytest.mark.parametrize("layout,tp,first_rank", [("in_process", 1, False), ("in_process", 2, False),
-                                                 ("in_process", 2, True), ("multiprocess", 2, False)])
+@pytest.mark.parametrize("layout,tp,first_rank", [("in_process", 2, False), ("in_process", 2, True),
+                                                 ("multiprocess", 2, False)])
 def test_a_prompt_larger_than_the_host_pool_is_stored_whole_before_the_process_exits(workdir, model, tmp_path,
                                                                                       layout, tp, first_rank):
-    """The scheduler in the caller's process: nothing steps the engine after the last request, and vLLM
-    stops the workers (with tensor parallelism, processes of their own) before the scheduler. The blocks
+    """Tensor parallelism 2, the scheduler in the caller's process: nothing steps the engine after the
+    last request, and vLLM stops the workers, processes of their own, before the scheduler (one rank:
+    ``test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_whole``). The blocks
     of a prompt larger than the host pool's free slots that still wait for one are stored all the same:
     each worker, at its shutdown, runs the scheduler side's last plans, over kvtier's own channel. (With
     the engine core in a process of its own, vLLM steps it while kvtier has work; its workers find
@@ -141,7 +142,7 @@ def test_a_prompt_larger_than_the_host_pool_is_stored_whole_before_the_process_e
     apps.run_app(workdir, name, {
         "model": model, "connector": "kvtier", "engine": {**ENGINE, "tensor_parallel_size": tp}, "warmup": False,
         "layout": layout, "extra": extra, "phases": [{"prompts": [PROMPT], "max_tokens": 1, "drain": False}]},
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else None)
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     log = (workdir / f"{name}.log").read_text()
     assert "finished requests not stored" not in log
     assert "the last stores ended early" not in log and "serving the workers' last stores failed" not in log
