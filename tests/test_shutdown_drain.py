@@ -2,8 +2,11 @@
 (``kvtier.integrations.vllm.shutdown_drain``): it never holds a worker or the engine past its bounds.
 The lockstep drain itself runs in vLLM, one and two ranks, in ``test_tiers_e2e.py``."""
 
+import os
 import threading
 import time
+
+import pytest
 
 from kvtier.integrations.vllm.shutdown_drain import DrainServer, drain_finished_requests
 
@@ -69,13 +72,20 @@ def test_a_worker_never_waits_past_its_deadline_on_a_scheduler_side_that_does_no
     held.acquire()
 
     class Finishing:
+        """A finished request is left, but no tier that outlives the process: once the lock is free,
+        the server lets the worker go without a plan."""
         num_finishing = 1
+
+        class manager:
+            tiers = []
 
     server = DrainServer(Finishing(), held, num_ranks=1, budget_s=10.0)
     began = time.monotonic()
     drain_finished_requests(Rank(0), server.address, time.monotonic() + 0.5)
     assert 0.5 <= time.monotonic() - began < 2.0
     held.release()
+    server._thread.join(2.0)
+    assert not server._thread.is_alive() and server.num_steps == 0
     server.close()
 
 
@@ -93,3 +103,41 @@ def test_a_connection_that_is_no_worker_is_refused_and_the_workers_are_still_ser
     assert not server._thread.is_alive() and server.num_steps == 0
     stranger.close()
     server.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="dropping to another user needs root (CI runs as root)")
+def test_a_process_of_another_user_is_refused_and_the_workers_are_still_served():
+    import socket
+
+    server = DrainServer(NothingToStore(), threading.Lock(), num_ranks=1, budget_s=2.0)
+    stranger = os.fork()
+    if stranger == 0:  # the child: another user, who knows the name and sends a proper hello
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5.0)
+            sock.connect(server.address)
+            sock.sendall(_hello_frame())
+            try:
+                answer = sock.recv(1)
+            except ConnectionResetError:  # closed with its hello unread
+                answer = b""
+            os._exit(0 if answer == b"" else 3)  # closed on it, never served
+        except BaseException as error:
+            os.write(2, f"stranger: {error!r}\n".encode())
+            os._exit(4)
+    _, status = os.waitpid(stranger, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    began = time.monotonic()
+    drain_finished_requests(Rank(0), server.address, time.monotonic() + 10)
+    assert time.monotonic() - began < 2.0
+    server._thread.join(2.0)
+    assert not server._thread.is_alive() and server.num_steps == 0
+    server.close()
+
+
+def _hello_frame() -> bytes:
+    from kvtier.integrations.vllm.shutdown_drain import Hello, _encoder
+    body = _encoder.encode(Hello(0))
+    return len(body).to_bytes(4, "little") + body
