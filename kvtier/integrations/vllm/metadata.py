@@ -32,25 +32,39 @@ class KVTierMetadata(KVConnectorMetadata):
     idle_wait_s: float = 0.0
     # Where the scheduler side serves the workers' drain at their shutdown (``shutdown_drain``); "": nowhere.
     drain_address: str = ""
+    # Rank -> the number of its last report (``RankReport``) that the scheduler side has taken.
+    reports_taken: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class RankReport:
+    """One rank's report of one step, numbered 1, 2, ... per rank. vLLM drops the report of a batch still
+    in its queue when the engine stops stepping (pipeline parallelism or asynchronous scheduling, with
+    the engine in the caller's process): a worker keeps each report until a step says it was taken, and
+    sends again what was not at its shutdown (``shutdown_drain``); the scheduler side takes each once."""
+
+    rank: int
+    number: int
+    reports: list[JobReport] = field(default_factory=list)
+    released_slot_ids: list[int] = field(default_factory=list)  # held slots, one entry per rank
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler, once per step; vLLM concatenates the ranks' reports."""
 
-    reports: list[JobReport] = field(default_factory=list)
-    released_slot_ids: list[int] = field(default_factory=list)  # held slots, one entry per rank
+    parts: list[RankReport] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.reports + other.reports, self.released_slot_ids + other.released_slot_ids)
+        return KVTierWorkerMetadata(self.parts + other.parts)
 
 
 @dataclass
 class KVTierHandshake(KVConnectorHandshakeMetadata):
     """Each worker -> the scheduler, once at start-up, after the KV caches exist."""
 
-    tp_rank: int
+    rank: int  # ``namespace.worker_rank``
     rank_fingerprint: bytes  # names this rank's entries: rank, device layout, model, ...
     slot_bytes: int
     layout: str

@@ -20,7 +20,7 @@ class EngineGeometry:
     num_blocks: int
     block_size: int
     tp_size: int
-    tp_rank_count: int  # workers that report each job (tensor x pipeline parallel)
+    tp_rank_count: int  # workers that report each job (tensor x pipeline parallel): kvtier's ranks
     extends_loaded_kv: bool = True  # False: the engine cannot use loaded KV (``_extends_loaded_kv``)
     # Sliding-window layers alone, the window shorter than max_model_len: vLLM frees a request's blocks
     # as they leave the window (``sliding_window`` tokens, and any it retains below), mid-request.
@@ -65,6 +65,13 @@ def engine_geometry(vllm_config, kv_cache_config, config: KVTierConfig) -> Engin
     return EngineGeometry(namespace, spec.page_size_bytes * len(layer_names), layer_names,
                           kv_cache_config.num_blocks, spec.block_size, parallel.tensor_parallel_size,
                           parallel.world_size, _extends_loaded_kv(vllm_config, is_mla), _frees_past(spec, max_model_len))
+
+
+def worker_rank(pp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """A worker's rank to kvtier: its place among the engine's workers, stage by stage. Each pipeline
+    stage holds its own layers, so each of its workers stores entries of its own (the tensor-parallel
+    rank alone, without pipeline parallelism)."""
+    return pp_rank * tp_size + tp_rank
 
 
 def _extends_loaded_kv(vllm_config, is_mla: bool) -> bool:

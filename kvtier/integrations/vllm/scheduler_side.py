@@ -52,6 +52,7 @@ class SchedulerSide:
         self._new_loads = []
         self._send_waits: dict[str, list[int]] = {}
         self._preempted_store_job_ids: list[int] = []
+        self._reports_taken: dict[int, int] = {}  # rank -> its last report's number taken (``RankReport``)
         self.stores: StorePlans | None = None  # which blocks are stored when; built with the manager
         self.hits = LoadHits()  # prompt tokens loaded, by tier: counted as loads complete
         self.miss_tokens = 0
@@ -60,11 +61,16 @@ class SchedulerSide:
         self._events = None  # KVEvents, built with the manager
 
     def on_handshake(self, metadata: dict) -> None:
-        """Every worker's ``KVTierHandshake``, keyed by tensor-parallel rank."""
+        """Every worker's ``KVTierHandshake``, keyed by its rank (``namespace.worker_rank``)."""
         ranks = sorted(metadata)
-        if ranks != list(range(self.geometry.tp_size)):
-            raise ValueError(f"kvtier: expected a handshake from ranks 0..{self.geometry.tp_size - 1}, got {ranks}")
+        if ranks != list(range(self.geometry.tp_rank_count)):
+            raise ValueError(f"kvtier: expected a handshake from ranks 0..{self.geometry.tp_rank_count - 1} "
+                             f"(tensor x pipeline parallel), got {ranks}")
         sizes = {metadata[r].slot_bytes for r in ranks}
+        if len(sizes) > 1:  # one host slot and one entry size serve every rank
+            raise ValueError(f"kvtier: the pipeline stages hold {sorted(sizes)} bytes per block, and kvtier needs "
+                             f"every stage to hold the same: a pipeline_parallel_size that divides the model's "
+                             f"layers, or VLLM_PP_LAYER_PARTITION giving each stage as many")
         if sizes != {self.geometry.slot_bytes}:
             raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {self.geometry.slot_bytes}")
         # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
@@ -206,14 +212,16 @@ class SchedulerSide:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         waiting = self.handoffs.waited_this_step()  # a request waits for a producer's blocks
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, finished_store_jobs,
-                              self._send_waits, idle=idle, idle_wait_s=HANDOFF_IDLE_WAIT_S if idle and waiting else 0.0)
+                              self._send_waits, idle=idle, idle_wait_s=HANDOFF_IDLE_WAIT_S if idle and waiting else 0.0,
+                              reports_taken=dict(self._reports_taken))
         self._new_loads, self._preempted_store_job_ids, self._send_waits = [], [], {}
         return meta
 
     def finishing_meta(self) -> KVTierMetadata:
         """A step that schedules nothing: finished requests' stores as host slots free (``shutdown_drain``)."""
         send_waits, self._send_waits = self._send_waits, {}
-        return KVTierMetadata(finished_store_jobs=self.stores.finish(send_waits), send_waits=send_waits, idle=True)
+        return KVTierMetadata(finished_store_jobs=self.stores.finish(send_waits), send_waits=send_waits, idle=True,
+                              reports_taken=dict(self._reports_taken))
 
     def update_connector_output(self, connector_output) -> None:
         self.on_worker_meta(connector_output.kv_connector_worker_meta)
@@ -221,15 +229,22 @@ class SchedulerSide:
     def on_worker_meta(self, meta) -> None:
         if not isinstance(meta, KVTierWorkerMetadata) or self.manager is None:
             return
-        self.manager.on_released(meta.released_slot_ids)
-        self.hits.reported(meta.reports)  # before the manager takes them: which blocks failed
-        completed = self.manager.on_reports(meta.reports)
+        reports, released = [], []
+        for part in meta.parts:
+            if part.number <= self._reports_taken.get(part.rank, 0):
+                continue  # taken already: a worker sends again at shutdown what no step said was taken
+            self._reports_taken[part.rank] = part.number
+            reports += part.reports
+            released += part.released_slot_ids
+        self.manager.on_released(released)
+        self.hits.reported(reports)  # before the manager takes them: which blocks failed
+        completed = self.manager.on_reports(reports)
         self.hits.completed(completed)
         self.stores.on_completed(completed)
 
     def shutdown(self) -> None:
-        # vLLM shuts its workers down first: what is left unstored now is lost (the one-process layout
-        # drains it from its worker side, ``shutdown_drain``; workers in processes of their own cannot).
+        # vLLM shuts its workers down first, and each ran the last stores at its shutdown (``shutdown_drain``):
+        # what is left unstored now did not fit in shutdown_flush_s, or a worker could not reach this process.
         if self.num_finishing:
             logger.warning("kvtier: shutdown: %d blocks of %d finished requests not stored: no host slot freed "
                            "for them before the engine stopped (shutdown_flush_s=%.1f s)",

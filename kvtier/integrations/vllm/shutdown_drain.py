@@ -175,7 +175,7 @@ def drain_finished_requests(worker_side: WorkerSide, address: str, deadline: flo
             sock.connect(address)
         except OSError:  # the scheduler is in another host's or network namespace's process, or gone
             return
-        send(sock, Hello(worker_side.tp_rank), _encoder)
+        send(sock, Hello(worker_side.rank), _encoder)
         while (left := deadline - time.monotonic()) > 0:
             sock.settimeout(left)
             message = receive(sock, _decoder)
@@ -184,7 +184,7 @@ def drain_finished_requests(worker_side: WorkerSide, address: str, deadline: flo
             worker_side.start_load_kv(message.meta)  # a step that schedules nothing: finished requests' stores
             worker_side.tier_worker.wait_for_a_job(message.wait_s)  # a write ends: its slots are free again
             worker_side.get_finished(set())
-            send(sock, Reported(worker_side.build_worker_meta()), _encoder)
+            send(sock, Reported(worker_side.untaken_meta()), _encoder)
     except (OSError, msgspec.DecodeError) as error:  # socket.timeout included; what is queued is flushed next
         logger.warning("kvtier: shutdown: the last stores ended early: %s", error)
     finally:

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.shutdown_drain import drain_finished_requests
-from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMetadata, RankReport
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.worker import TierWorker
 from kvtier.worker.tier_worker import at_exit
@@ -27,12 +27,14 @@ logger = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, tp_rank: int, role: str = "kv_both"):
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, rank: int, role: str = "kv_both"):
         self.config = config
         self.geometry = geometry
-        self.tp_rank = tp_rank
+        self.rank = rank  # ``namespace.worker_rank``: the tensor-parallel rank without pipeline parallelism
         self.is_producer = role == "kv_producer"
         self._released_slot_ids: list[int] = []
+        self._num_reports = 0
+        self._untaken: list[RankReport] = []  # reports sent that no step has said were taken (``RankReport``)
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         self._step_layer_loads: list[int] = []  # this step's layer-wise loads
         self._step_layer_blocks: set[int] = set()  # their device blocks
@@ -68,7 +70,7 @@ class WorkerSide:
             broadcast_group = dist.new_group(get_tp_group().ranks, backend="gloo",
                                              timeout=timedelta(seconds=self.config.load_timeout_s + 30))
         self.tier_worker = TierWorker(self.config, tensors, self.geometry.num_blocks, self.geometry.block_size,
-                                      self.geometry.namespace, self.tp_rank, broadcast_group=broadcast_group)
+                                      self.geometry.namespace, self.rank, broadcast_group=broadcast_group)
         if self.tier_worker.layout.slot_bytes != self.geometry.slot_bytes:
             raise ValueError(f"kvtier: KV cache layout {self.tier_worker.layout.kind} holds "
                              f"{self.tier_worker.layout.slot_bytes} bytes per block, vLLM's spec says "
@@ -92,7 +94,7 @@ class WorkerSide:
 
     def handshake(self) -> KVTierHandshake:
         layout = self.tier_worker.layout
-        return KVTierHandshake(self.tp_rank, self.tier_worker.rank_fingerprint, layout.slot_bytes,
+        return KVTierHandshake(self.rank, self.tier_worker.rank_fingerprint, layout.slot_bytes,
                                f"{layout.kind} {list(layout.block_shape)}")
 
     def _new_jobs(self, jobs):
@@ -106,6 +108,8 @@ class WorkerSide:
         # in a step without a forward, and a finished request's wait often comes in one). Their
         # stores were submitted in earlier steps' wait_for_save; get_finished reports them.
         self._send_waits.update(meta.send_waits)
+        taken = meta.reports_taken.get(self.rank, 0)
+        self._untaken = [part for part in self._untaken if part.number > taken]  # a few: the steps in flight
         self._drain_address = meta.drain_address or self._drain_address
         self._idle_step = meta.idle
         self._idle_wait_s = meta.idle_wait_s
@@ -214,9 +218,16 @@ class WorkerSide:
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         if not self._reports and not self._released_slot_ids:
             return None
-        meta = KVTierWorkerMetadata(self._reports, self._released_slot_ids)
+        self._num_reports += 1
+        part = RankReport(self.rank, self._num_reports, self._reports, self._released_slot_ids)
         self._reports, self._released_slot_ids = [], []
-        return meta
+        self._untaken.append(part)
+        return KVTierWorkerMetadata([part])
+
+    def untaken_meta(self) -> KVTierWorkerMetadata | None:
+        """At shutdown, once vLLM steps no more: this step's report and every earlier one not yet taken."""
+        self.build_worker_meta()
+        return KVTierWorkerMetadata(list(self._untaken)) if self._untaken else None
 
     def shutdown(self) -> None:
         """Stores of finished requests still unstored (planned by the scheduler side, ``shutdown_drain``),
