@@ -39,8 +39,8 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass
 class RankReport:
     """One rank's report of one step, numbered 1, 2, ... per rank. vLLM drops the report of a batch still
-    in its queue when the engine stops stepping (pipeline parallelism or asynchronous scheduling, with
-    the engine in the caller's process): a worker keeps each report until a step says it was taken, and
+    in its queue when the engine in the caller's process stops stepping (seen with pipeline parallelism;
+    asynchronous scheduling runs the same queue): a worker keeps each report until a step says it was taken, and
     sends again what was not at its shutdown (``shutdown_drain``); the scheduler side takes each once."""
 
     rank: int
