@@ -15,9 +15,10 @@ NAMESPACE = Namespace("test-model", "torch.float32", "kv", (2, 64), 2, 16)
 SLOT_BYTES = 2 * 2 * 2 * 64 * 4 * 16
 
 
-def side(num_ranks: int, tp_size: int = 1) -> SchedulerSide:
+def side(num_ranks: int) -> SchedulerSide:
+    """The scheduler side of ``num_ranks`` pipeline stages of one tensor-parallel rank each."""
     config = KVTierConfig.from_sources({"host_bytes": 8 * SLOT_BYTES, "disk_dir": None}, environ={})
-    return SchedulerSide(config, EngineGeometry(NAMESPACE, SLOT_BYTES, ["a", "b"], 64, 16, tp_size, num_ranks))
+    return SchedulerSide(config, EngineGeometry(NAMESPACE, SLOT_BYTES, ["a", "b"], 64, 16, 1, num_ranks))
 
 
 def handshakes(sizes: list[int]) -> dict[int, KVTierHandshake]:
