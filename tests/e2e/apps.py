@@ -16,13 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, env: dict | None = None,
-            timeout: float = 600):
+            timeout: float = 600, finalize: bool = False):
     """Run one engine process on ``spec``; its JSON result, or its output if it must fail.
     Checks that no process the run started outlives it (kvtier's I/O processes included).
 
     The process is forked from the session's zygote (``tests.e2e.zygote``), which has imported
     vLLM and kvtier once; a run whose environment differs from the zygote's in anything a module
-    may read at import starts ``python -m kvtier.demo.runner`` itself instead."""
+    may read at import starts ``python -m kvtier.demo.runner`` itself instead. A forked run exits
+    once its atexit handlers have run, without the interpreter's module teardown, unless
+    ``finalize`` or a phase that ends without a drain (a test of what happens at exit) asks for
+    the whole exit."""
+    finalize = finalize or any(not phase.get("drain", True) for phase in spec.get("phases", []))
     spec_path, out_path, log_path = (workdir / f"{name}.{part}" for part in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
     marker = f"{workdir}/{name}"  # the full path: runs of two test sessions at once differ
@@ -30,7 +34,7 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
     group = None
     differs = _ZYGOTE.differs(run_env)
     if not differs:
-        returncode, group = _ZYGOTE.run(spec_path, out_path, log_path, run_env, timeout)
+        returncode, group = _ZYGOTE.run(spec_path, out_path, log_path, run_env, timeout, finalize)
         output = log_path.read_text(errors="replace")
     else:
         proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
@@ -103,11 +107,12 @@ class _Zygote:
             self._changed.wait_for(lambda: key in self._answers.get(request_id, {}), timeout)
             return self._answers.get(request_id, {}).get(key)
 
-    def run(self, spec_path: Path, out_path: Path, log_path: Path, env: dict, timeout: float) -> tuple[int, int]:
+    def run(self, spec_path: Path, out_path: Path, log_path: Path, env: dict, timeout: float,
+            finalize: bool) -> tuple[int, int]:
         """(returncode, process group) of one run; past ``timeout`` it is killed, as ``subprocess.run`` does."""
         request_id = str(next(self._ids))
         request = {"id": request_id, "spec": str(spec_path), "out": str(out_path), "log": str(log_path),
-                   "cwd": str(ROOT), "env": env}
+                   "cwd": str(ROOT), "env": env, "finalize": finalize}
         with self._lock:  # the zygote that ``differs`` checked, unless the environment changed in between
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
