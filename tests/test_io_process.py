@@ -122,7 +122,7 @@ def test_the_io_process_killed_mid_load_gives_a_recompute_and_a_new_process(disk
 
 
 def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_late_reads(disk_dir, monkeypatch):
-    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)  # one I/O job per block
+    monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)  # one I/O job per block
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=4, load_timeout_s=0.5)
     randomize(tensors)
@@ -147,9 +147,9 @@ def test_a_load_past_load_timeout_s_is_recomputed_and_its_slots_wait_for_the_lat
 
 
 def test_a_store_is_written_in_chunks_side_by_side_and_loads_back_byte_for_byte(disk_dir, monkeypatch):
-    """Writes go to the I/O process in jobs of about CHUNK_BYTES, as loads do (here one block
+    """Writes go to the I/O process in jobs of about the tier's job_bytes, as loads do (here one block
     each); every chunk lands, and the blocks load back as they were."""
-    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)
+    monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=8)
     randomize(tensors)
@@ -172,7 +172,7 @@ def test_a_chunked_store_whose_writes_hang_is_given_up_whole_and_its_slots_held(
     """Every chunk of a store unanswered (its I/O process stopped): the store is reported at
     ``load_timeout_s + remote_timeout_s`` with all its writes failed, its slots held until the
     late writes return, then released."""
-    monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)
+    monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)
     tensors = layouts()[0][1]
     engine = Engine(tensors, disk_dir, host_blocks=8, load_timeout_s=0.5, remote_timeout_s=0.5)
     randomize(tensors)

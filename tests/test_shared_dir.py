@@ -254,3 +254,49 @@ def test_a_load_that_failed_from_the_disk_is_taken_again_from_the_shared_tier(sh
     assert inst.manager.host.num_pins == 0
     inst.manager.forget("r")
     inst.close()
+
+
+def test_each_tier_is_sent_jobs_of_its_own_size_and_loads_back_byte_exact(shared, tmp_path, monkeypatch):
+    """How much one I/O job moves is the tier's (its module's ``JOB_BYTES``, else the default): a
+    store's writes reach the disk in jobs of one block and the shared directory in jobs of three,
+    and each tier's reads come the same way, byte for byte."""
+    import kvtier.tiers.shared_dir
+
+    disk = str(tmp_path / "disk")
+    probe = Instance(None)
+    slot_bytes = probe.worker.layout.slot_bytes
+    probe.close()
+    monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)  # the default: the disk's module sets none
+    monkeypatch.setattr(kvtier.tiers.shared_dir, "JOB_BYTES", 3 * slot_bytes, raising=False)
+
+    def recorded(instance):
+        sent, submit = [], instance.worker.io.submit
+
+        def record(tier, write, keys, *args, **kwargs):
+            sent.append((tier, write, len(keys)))
+            return submit(tier, write, keys, *args, **kwargs)
+
+        instance.worker.io.submit = record
+        return sent
+
+    writer = Instance(f"file://{shared}", disk_dir=disk)
+    sent = recorded(writer)
+    blocks = list(range(1, 9))
+    report = writer.run(writer.manager.plan_store("a", keys_of(range(8)), blocks), writer.worker.submit_store)
+    assert report.success and not report.failed_writes
+    assert sorted(n for tier, write, n in sent if tier == "disk" and write) == [1] * 8
+    assert sorted(n for tier, write, n in sent if tier == "file" and write) == [2, 3, 3]
+    stored = [t[blocks].clone() for t in writer.tensors]
+    writer.close()
+
+    for url, disk_dir, tier, sizes in ((f"file://{shared}", None, "file", [2, 3, 3]), (None, disk, "disk", [1] * 8)):
+        reader = Instance(url, disk_dir=disk_dir)
+        sent = recorded(reader)
+        assert reader.lookup(keys_of(range(8))) == 8
+        job = reader.manager.plan_load("r", keys_of(range(8)), list(range(20, 28)))
+        assert job.fill_from == [tier] * 8
+        assert reader.run(job, reader.worker.submit_load).success
+        assert sorted(n for name, write, n in sent if name == tier and not write) == sizes
+        for t, before in zip(reader.tensors, stored):
+            assert torch.equal(t[20:28].view(torch.int16), before.view(torch.int16))
+        reader.close()

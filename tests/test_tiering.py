@@ -85,7 +85,7 @@ def chunks(request, monkeypatch):
     """A load's reads in chunks of the default size, or of one block each (many chunks per load,
     each copied to the device as it arrives)."""
     if request.param == "one block":
-        monkeypatch.setattr("kvtier.worker.jobs.CHUNK_BYTES", 1)
+        monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)
     return request.param
 
 

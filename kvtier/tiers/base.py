@@ -120,6 +120,12 @@ def pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
             buffers[first] = buffers[first][written:]
 
 
+# What one I/O job moves by default: a load's jobs are copied to the device as each lands, while
+# the I/O process reads the next. A tier whose every call costs much besides its bytes (a
+# storage pool's round trips to its server) sets a larger ``JOB_BYTES`` in its module.
+JOB_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class TierSpec:
     """What both halves of one tier are built from. Plain data: it crosses to the I/O process."""
@@ -132,6 +138,7 @@ class TierSpec:
     retry_s: float = 10.0
     threads: int = 2
     options: dict = field(default_factory=dict)
+    job_bytes: int = JOB_BYTES  # about what one I/O job of this tier moves (the module's ``JOB_BYTES``)
 
 
 class TierIndex(ABC):

@@ -4,7 +4,8 @@ A tier below the host pool is configured by ``disk_dir`` (the local disk tier) a
 ``remote_url`` (a tier that many instances share, chosen by the URL's scheme).
 Adding a tier is a module with ``make_index(spec, slot_bytes, rank_fingerprints)``
 and ``make_store(spec, rank_fingerprint, slot_bytes)`` (plus ``validate(url)``
-for a URL scheme) and one line below.
+for a URL scheme, and ``JOB_BYTES`` where its jobs should not move the default)
+and one line below.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Sequence
 from urllib.parse import urlparse
 
 from kvtier.entry import load_entry_key
+from kvtier.tiers import base
 from kvtier.tiers.base import TierIndex, TierSpec, TierStore
 
 # URL scheme -> (tier name, module).
@@ -44,15 +46,22 @@ def tier_specs(config) -> list[TierSpec]:
     if config.disk_dir:
         specs.append(TierSpec("disk", DISK_MODULE, config.disk_dir, config.disk_bytes, threads=config.disk_io_threads,
                               options={"write": "disk" in config.store_to,
-                                       "entry_key_file": config.entry_key_file}))
+                                       "entry_key_file": config.entry_key_file},
+                              job_bytes=job_bytes(DISK_MODULE)))
     if config.remote_url:
         name, module = SCHEMES[urlparse(config.remote_url).scheme]
         specs.append(TierSpec(name, module, config.remote_url, None, config.remote_timeout_s, config.remote_retry_s,
                               threads=config.disk_io_threads,
                               options={"write": "remote" in config.store_to, "ttl_s": config.remote_ttl_s,
                                        "audit_s": config.remote_audit_s,
-                                       "entry_key_file": config.entry_key_file}))
+                                       "entry_key_file": config.entry_key_file},
+                              job_bytes=job_bytes(module)))
     return specs
+
+
+def job_bytes(module: str) -> int:
+    """About what one I/O job of the tier built by ``module`` moves: its ``JOB_BYTES``, else the default."""
+    return getattr(importlib.import_module(module), "JOB_BYTES", base.JOB_BYTES)
 
 
 def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]) -> TierIndex:

@@ -20,14 +20,11 @@ from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
 
 logger = logging.getLogger("kvtier.worker")
 
-# An I/O job moves about this much, loads and writes alike: a load's chunks are copied to the
-# device as each lands, and a tier's jobs run side by side on the I/O process's threads, while
-# each job reads or writes its blocks in order.
-CHUNK_BYTES = 4 << 20
-
-
-def chunk_blocks(slot_bytes: int) -> int:
-    return max(1, CHUNK_BYTES // slot_bytes)
+def blocks_per_job(specs, slot_bytes: int) -> dict[str, int]:
+    """Each tier's blocks per I/O job, loads and writes alike: about its ``job_bytes`` (``TierSpec``),
+    at least one block. A load's jobs are copied to the device as each lands; a tier's jobs run side
+    by side on the I/O process's threads, while each job reads or writes its blocks in order."""
+    return {spec.name: max(1, spec.job_bytes // slot_bytes) for spec in specs}
 
 
 def merged(first: TransferResult | None, second: TransferResult) -> TransferResult:

@@ -1,7 +1,7 @@
 """A worker's loads: tier -> host slots (in the I/O process) -> device blocks.
 
 A load asks the I/O process to read its ``fill`` blocks into their reserved host
-slots, in I/O jobs of about ``CHUNK_BYTES`` (``kvtier.worker.jobs``) per tier;
+slots, in I/O jobs of about each tier's ``job_bytes`` (``kvtier.tiers.base``);
 each answered chunk's usable blocks are copied host -> device at once, while the
 I/O process reads the next chunks, and the job is reported when every chunk is
 copied. A fill not answered within ``load_timeout_s`` abandons the load: it is
@@ -28,20 +28,20 @@ import numpy as np
 from kvtier.plans import JobReport, LoadJob
 from kvtier.tiers.base import is_bad_entry, is_gone, unavailable
 from kvtier.transfer.engine import TransferResult
-from kvtier.worker.jobs import JobBook, Load, chunk_blocks
+from kvtier.worker.jobs import JobBook, Load
 
 logger = logging.getLogger("kvtier.worker")
 
 
 class LoadPath:
-    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, slot_bytes: int, advance,
-                 verifier=None, replicated=None, check_in_copy: bool = False):
+    def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, job_blocks: dict[str, int],
+                 advance, verifier=None, replicated=None, check_in_copy: bool = False):
         self.book = book
         self.advance = advance  # moves on every job whose copies have finished (the worker's)
         self.io = io  # IOProcess, or None where this worker reads no tier
         self.load_timeout_s = load_timeout_s
         self.num_layers = num_layers
-        self.chunk_blocks = chunk_blocks(slot_bytes)
+        self.job_blocks = job_blocks  # tier name -> blocks per I/O job (``blocks_per_job``)
         self.verifier = verifier
         self.replicated = replicated
         # Not with a broadcast: other ranks get rank 0's slots before its copy has checked them.
@@ -54,8 +54,8 @@ class LoadPath:
         by_tier: dict[str, list[int]] = {}
         for i, tier in enumerate(job.fill_from):
             by_tier.setdefault(tier, []).append(i)
-        chunks = [(tier, indices[at:at + self.chunk_blocks]) for tier, indices in by_tier.items()
-                  for at in range(0, len(indices), self.chunk_blocks)]
+        chunks = [(tier, indices[at:at + size]) for tier, indices in by_tier.items()
+                  for size in [self.job_blocks.get(tier, 1)] for at in range(0, len(indices), size)]
         # One copy per chunk, and one for the blocks already in host slots (or for none at all).
         load = self._new(job, fills=len(chunks), transfers=len(chunks) + bool(job.ready_block_ids or not chunks))
         if self.replicated is not None:  # queued now: job order on every rank

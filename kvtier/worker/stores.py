@@ -2,8 +2,8 @@
 
 A store copies device -> host; from then on the device blocks may be reused. The
 moment that copy is done (on the progress thread, whether or not the engine
-steps) its writes go to the I/O process, in I/O jobs of about ``CHUNK_BYTES`` per
-tier (run side by side there), and when every one is answered the job is reported.
+steps) its writes go to the I/O process, in I/O jobs of about each tier's ``job_bytes``
+(run side by side there), and when every one is answered the job is reported.
 A layer-wise store makes one transfer per layer before the forward; each is sent
 once, right after its layer's attention.
 """
@@ -20,7 +20,7 @@ import numpy as np
 from kvtier.plans import JobReport, StoreJob
 from kvtier.tiers.base import is_device_full, unavailable
 from kvtier.transfer.engine import TransferResult
-from kvtier.worker.jobs import JobBook, Store, chunk_blocks
+from kvtier.worker.jobs import JobBook, Store
 
 logger = logging.getLogger("kvtier.worker")
 
@@ -46,10 +46,10 @@ class FailedWritesLog:
 
 
 class StorePath:
-    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, slot_bytes: int,
+    def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, job_blocks: dict[str, int],
                  is_source: bool, verifier=None, abandon_s: float = 30.0):
         self.book = book
-        self.chunk_blocks = chunk_blocks(slot_bytes)
+        self.job_blocks = job_blocks  # tier name -> blocks per I/O job (``blocks_per_job``)
         self.io = io  # IOProcess, or None where this worker writes no tier
         self.write_timeout_s = write_timeout_s
         self.abandon_s = abandon_s  # writes unanswered this long after they were sent are given up
@@ -138,11 +138,12 @@ class StorePath:
             self.verifier.received(job.slot_ids)
         # Each slot's checksum, where the copy took it: every tier's write frames the slot without reading it.
         sums = None if result.checksums is None else dict(zip(job.slot_ids, result.checksums.tolist()))
-        chunks = []  # (tier, keys, their slots, their locations), about CHUNK_BYTES each
+        chunks = []  # (tier, keys, their slots, their locations), about the tier's job_bytes each
         for tier, keys in writes.items():
             slots, locations = job.slots_of(keys), job.write_locations.get(tier) or [-1] * len(keys)
-            chunks += [(tier, keys[at:at + self.chunk_blocks], slots[at:at + self.chunk_blocks],
-                        locations[at:at + self.chunk_blocks]) for at in range(0, len(keys), self.chunk_blocks)]
+            size = self.job_blocks.get(tier, 1)
+            chunks += [(tier, keys[at:at + size], slots[at:at + size], locations[at:at + size])
+                       for at in range(0, len(keys), size)]
         with self.book.lock:
             store.device_reads_done = True  # from here on the device blocks may be reused
             for tier, *_ in chunks:

@@ -31,7 +31,7 @@ from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.registry import tier_specs
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_buffer import SharedHostMemory
-from kvtier.worker.jobs import JobBook, Load
+from kvtier.worker.jobs import JobBook, Load, blocks_per_job
 from kvtier.worker.loads import LoadPath
 from kvtier.worker.stores import StorePath
 
@@ -79,10 +79,10 @@ class TierWorker:
             from kvtier.replicated import ReplicatedLoads
             self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
-        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, self.layout.slot_bytes,
-                              self._advance, self.verifier, self.replicated,
-                              check_in_copy=self.transfers.takes_checksums)
-        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, self.layout.slot_bytes,
+        job_blocks = blocks_per_job(specs, self.layout.slot_bytes)
+        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, job_blocks, self._advance,
+                              self.verifier, self.replicated, check_in_copy=self.transfers.takes_checksums)
+        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, job_blocks,
                                 self.is_source, self.verifier,
                                 abandon_s=config.load_timeout_s + config.remote_timeout_s)
         self.num_idle_waits = 0  # engine steps that waited for a load (wait_for_a_load)
