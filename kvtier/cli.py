@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--workdir", default="kvtier-out/bench-tiers")
     tiers.add_argument("--tiers", default=None, help="comma-separated subset of disk,file,redis,mooncake")
     tiers.add_argument("--quick", action="store_true", help="a smaller model and fewer, shorter prompts")
+    tiers.add_argument("--large", action="store_true", help="a model with 92 MiB of KV per prompt (16 layers x 1024 "
+                       "wide, 8 KV heads), 3 prompts")
     tiers.add_argument("--json", action="store_true")
     tiers.set_defaults(run=lambda args: __import__("kvtier.bench.tiers", fromlist=["x"]).main(args))
 

@@ -1,7 +1,8 @@
 """``kvtier bench tiers``: a hit from each tier inside vLLM, against the floor the bytes allow.
 
 vLLM's one-process layout (the worker in the scheduler's process, as vLLM runs one
-GPU). For each tier below the host pool (disk, shared directory, Redis, Mooncake):
+GPU; ``--large``: a model with 92 MiB of KV per prompt). For each tier below the
+host pool (disk, shared directory, Redis, Mooncake):
 a writer process serves the prompts once and exits (its writes flush at exit);
 a new reader process, configured with that tier alone, serves them again (every
 block from the tier: its host pool is empty) and then a third time (vLLM's own
@@ -36,6 +37,8 @@ from kvtier.servers import local_mooncake, local_redis
 
 FULL = dict(num_layers=10, hidden_size=640, num_heads=10, num_kv_heads=2, prompts=4, prompt_tokens=3000)
 QUICK = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, prompts=2, prompt_tokens=1000)
+# A prompt with as much KV as a small served model's (92 MiB, 2 MiB per block): a load of many I/O jobs.
+LARGE = dict(num_layers=16, hidden_size=1024, num_heads=16, num_kv_heads=8, prompts=3, prompt_tokens=3000)
 BLOCK = 64
 TIERS = ("disk", "file", "redis", "mooncake")
 
@@ -89,7 +92,7 @@ def _raw_pool_reads(url: str, blocks: int, size: int, pauses: list[float]) -> li
 
 
 def main(args) -> dict:
-    size = QUICK if args.quick else FULL
+    size = QUICK if args.quick else LARGE if getattr(args, "large", False) else FULL
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = str(make_model(workdir / f"model-{size['num_layers']}x{size['hidden_size']}",
