@@ -92,7 +92,7 @@ def _raw_pool_reads(url: str, blocks: int, size: int, pauses: list[float]) -> li
 
 
 def main(args) -> dict:
-    size = QUICK if args.quick else LARGE if getattr(args, "large", False) else FULL
+    size = QUICK if args.quick else LARGE if args.large else FULL
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = str(make_model(workdir / f"model-{size['num_layers']}x{size['hidden_size']}",
