@@ -88,187 +88,203 @@ class _RawCopier:
         self.thread.join()
 
 
-def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
-        repeats: int = 45) -> dict:
-    torch.set_num_threads(1)  # compute on one core, copies on the other
-    device_blocks = num_blocks * 2
-    tensors = [torch.zeros((device_blocks, kv_heads, block_size, 2 * head_size), dtype=torch.bfloat16)
-               for _ in range(num_layers)]
-    config = KVTierConfig.from_sources({"host_bytes": num_blocks * 4 * tensors[0][0].nbytes * num_layers,
-                                        "disk_dir": None, "copy_threads": 1}, environ={})
-    namespace = Namespace("bench-layerwise", "bfloat16", "kv", (kv_heads, head_size), num_layers, block_size)
-    worker = TierWorker(config, tensors, device_blocks, block_size, namespace)
-    manager = TierManager(config, worker.layout.slot_bytes, [worker.rank_fingerprint])
-    block_ids = torch.arange(0, device_blocks, 2)[:num_blocks]  # scattered: every other block
-    layer_bytes = num_blocks * tensors[0][0].nbytes
+class _Rounds:
+    """kvtier's layer-wise stores and loads and the peer's copies, each alone and beside the
+    synthetic model's compute, one round at a time."""
 
-    # Transfer time of one layer (warm: the first round pays one-time costs), then a
-    # compute of about 1.5 x that per layer.
-    per_layer_transfer = float("inf")
-    for probe_round in range(3):
-        probe = manager.plan_store("probe", [b"probe" + bytes([probe_round]) + i.to_bytes(10, "little")
-                                             for i in range(num_blocks)], block_ids.tolist())
-        began = time.perf_counter()
-        for layer in range(num_layers):
-            worker.submit_store_layer(probe, layer)
-        worker.wait_for_device_reads([probe.job_id])
-        per_layer_transfer = min(per_layer_transfer, (time.perf_counter() - began) / num_layers)
-        _drain(worker, manager, 1)
-    x = torch.randn(64, 64)
-    for size in range(64, 4097, 32):
-        weight, x = torch.randn(size, size), torch.randn(size, size)
-        _compute(weight, x, tensors[0], block_ids)  # warm-up
-        began = time.perf_counter()
-        for _ in range(3):
-            _compute(weight, x, tensors[0], block_ids)
-        if (time.perf_counter() - began) / 3 >= 1.5 * per_layer_transfer:
-            break
-    weights = [torch.randn(size, size) / size ** 0.5 for _ in range(num_layers)]
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_size: int):
+        self.num_layers, self.num_blocks = num_layers, num_blocks
+        device_blocks = num_blocks * 2
+        self.tensors = [torch.zeros((device_blocks, kv_heads, block_size, 2 * head_size), dtype=torch.bfloat16)
+                        for _ in range(num_layers)]
+        config = KVTierConfig.from_sources({"host_bytes": num_blocks * 4 * self.tensors[0][0].nbytes * num_layers,
+                                            "disk_dir": None, "copy_threads": 1}, environ={})
+        namespace = Namespace("bench-layerwise", "bfloat16", "kv", (kv_heads, head_size), num_layers, block_size)
+        self.worker = TierWorker(config, self.tensors, device_blocks, block_size, namespace)
+        self.manager = TierManager(config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint])
+        self.block_ids = torch.arange(0, device_blocks, 2)[:num_blocks]  # scattered: every other block
+        self.layer_bytes = num_blocks * self.tensors[0][0].nbytes
+        self.x, self.weights = self._calibrate()
+        self.results: dict[str, list[float]] = {
+            name: [] for name in ("compute", "store", "store_overlapped", "load", "load_overlapped", "raw_store",
+                                  "raw_store_overlapped", "raw_load", "raw_load_overlapped")}
+        self.baselines: dict[str, list[float]] = {}  # compute alone, around each measurement with compute
+        self.exact = True
+        self.stored_keys: list[bytes] = []  # the last kvtier store's keys, and the bytes it read
+        self.stored_bytes: list[torch.Tensor] = []
+        self.store_count = itertools.count()
+        # The peer's own slots, alive as long as its copier.
+        self.peer_buffer = peer_buffer = torch.empty(num_blocks * self.worker.layout.slot_bytes, dtype=torch.uint8)
 
-    def compute_all(after_layer=None, before_layer=None):
-        h = x
-        for layer in range(num_layers):
+        def runs(to_host: bool) -> list:
+            addresses = [t.data_ptr() for t in self.tensors]
+            return [self.worker.layout.copy_runs(addresses, peer_buffer.data_ptr(), self.block_ids.numpy(),
+                                                 np.arange(num_blocks, dtype=np.int64), to_host, (layer,))
+                    for layer in range(num_layers)]
+
+        self.raw_store, self.raw_load = _RawCopier(runs(True)), _RawCopier(runs(False))
+
+    def _calibrate(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One layer's transfer time (warm: the first round pays one-time costs), then a compute of
+        about 1.5 x that per layer: the input and each layer's weights."""
+        per_layer_transfer = float("inf")
+        for probe_round in range(3):
+            probe = self.manager.plan_store("probe", [b"probe" + bytes([probe_round]) + i.to_bytes(10, "little")
+                                                      for i in range(self.num_blocks)], self.block_ids.tolist())
+            began = time.perf_counter()
+            for layer in range(self.num_layers):
+                self.worker.submit_store_layer(probe, layer)
+            self.worker.wait_for_device_reads([probe.job_id])
+            per_layer_transfer = min(per_layer_transfer, (time.perf_counter() - began) / self.num_layers)
+            _drain(self.worker, self.manager, 1)
+        x = torch.randn(64, 64)
+        for size in range(64, 4097, 32):
+            weight, x = torch.randn(size, size), torch.randn(size, size)
+            _compute(weight, x, self.tensors[0], self.block_ids)  # warm-up
+            began = time.perf_counter()
+            for _ in range(3):
+                _compute(weight, x, self.tensors[0], self.block_ids)
+            if (time.perf_counter() - began) / 3 >= 1.5 * per_layer_transfer:
+                break
+        return x, [torch.randn(size, size) / size ** 0.5 for _ in range(self.num_layers)]
+
+    def compute_all(self, after_layer=None, before_layer=None) -> None:
+        h = self.x
+        for layer in range(self.num_layers):
             if before_layer:
                 before_layer(layer)
-            h = _compute(weights[layer], h, tensors[layer], block_ids)
+            h = _compute(self.weights[layer], h, self.tensors[layer], self.block_ids)
             if after_layer:
                 after_layer(layer)
 
-    results = {"compute": [], "store": [], "store_overlapped": [], "load": [], "load_overlapped": [],
-               "raw_store": [], "raw_store_overlapped": [], "raw_load": [], "raw_load_overlapped": []}
-    peer_buffer = torch.empty(num_blocks * worker.layout.slot_bytes, dtype=torch.uint8)  # the peer's own slots
-    addresses = [t.data_ptr() for t in tensors]
+    def compute_alone(self) -> float:
+        began = time.perf_counter()
+        self.compute_all()
+        return time.perf_counter() - began
 
-    def raw_runs(to_host: bool) -> list:
-        return [worker.layout.copy_runs(addresses, peer_buffer.data_ptr(), block_ids.numpy(),
-                                        np.arange(num_blocks, dtype=np.int64), to_host, (layer,))
-                for layer in range(num_layers)]
+    def around(self, name: str, measure) -> None:
+        """Time ``measure`` with compute-alone runs just before and after it: this shared
+        machine's speed drifts, and the overlap is only as good as its compute baseline."""
+        before = self.compute_alone()
+        self.results[name].append(measure())
+        self.results["compute"].append(before)
+        self.baselines.setdefault(name, []).append((before + self.compute_alone()) / 2)
 
-    raw_store, raw_load = _RawCopier(raw_runs(True)), _RawCopier(raw_runs(False))
-
-    def raw(copier: _RawCopier, overlapped: bool, load: bool) -> float:
+    def raw(self, copier: _RawCopier, overlapped: bool, load: bool) -> float:
         copier.reset()
         began = time.perf_counter()
         if load:  # every layer asked for first; each awaited just before its compute
-            for layer in range(num_layers):
+            for layer in range(self.num_layers):
                 copier.todo.put(layer)
             if overlapped:
-                compute_all(before_layer=lambda layer: copier.done[layer].wait())
+                self.compute_all(before_layer=lambda layer: copier.done[layer].wait())
         elif overlapped:
-            compute_all(after_layer=copier.todo.put)
+            self.compute_all(after_layer=copier.todo.put)
         else:
-            for layer in range(num_layers):
+            for layer in range(self.num_layers):
                 copier.todo.put(layer)
         copier.done[-1].wait()
         return time.perf_counter() - began
-    def compute_alone() -> float:
+
+    def kvtier_store(self) -> None:
+        worker, manager, blocks = self.worker, self.manager, self.block_ids.tolist()
+        first = next(self.store_count) * 10_000  # new keys each time: a load may store first, in any round
+        keys = [(first + i).to_bytes(16, "little") for i in range(self.num_blocks)]
+        job = manager.plan_store("s", keys, blocks)
         began = time.perf_counter()
-        compute_all()
-        return time.perf_counter() - began
-
-    def around(name: str, measure) -> None:
-        """Time ``measure`` with compute-alone runs just before and after it: this shared
-        machine's speed drifts, and the overlap is only as good as its compute baseline."""
-        before = compute_alone()
-        results[name].append(measure())
-        results["compute"].append(before)
-        baselines.setdefault(name, []).append((before + compute_alone()) / 2)
-
-    baselines: dict[str, list[float]] = {}
-    exact = [True]
-    stored_keys: list[bytes] = []  # the last kvtier store's keys, and the bytes it read
-    stored_bytes: list[torch.Tensor] = []
-    store_count = itertools.count()
-
-    def kvtier_store(round_: int) -> None:
-        first = next(store_count) * 10_000  # new keys each time: a load may store first, in any round
-        keys = [(first + i).to_bytes(16, "little") for i in range(num_blocks)]
-        job = manager.plan_store("s", keys, block_ids.tolist())
-        began = time.perf_counter()
-        for layer in range(num_layers):
+        for layer in range(self.num_layers):
             worker.submit_store_layer(job, layer)
         worker.wait_for_device_reads([job.job_id])
-        results["store"].append(time.perf_counter() - began)
+        self.results["store"].append(time.perf_counter() - began)
         _drain(worker, manager, 1)
 
-        overlapped = manager.plan_store("s", [k + b"o" for k in keys], block_ids.tolist())
+        overlapped = manager.plan_store("s", [k + b"o" for k in keys], blocks)
 
         def store_overlapped() -> float:
             began = time.perf_counter()
             worker.prepare_store_layers(overlapped)  # as the connector does when the step begins
-            compute_all(after_layer=lambda layer: worker.submit_store_layer(overlapped, layer))
+            self.compute_all(after_layer=lambda layer: worker.submit_store_layer(overlapped, layer))
             worker.wait_for_device_reads([overlapped.job_id])
             return time.perf_counter() - began
 
-        around("store_overlapped", store_overlapped)
+        self.around("store_overlapped", store_overlapped)
         _drain(worker, manager, 1)
-        stored_keys[:] = [k + b"o" for k in keys]
-        stored_bytes[:] = [t[block_ids].clone() for t in tensors]
+        self.stored_keys[:] = [k + b"o" for k in keys]
+        self.stored_bytes[:] = [t[self.block_ids].clone() for t in self.tensors]
 
-    def kvtier_load(round_: int) -> None:
-        if not stored_keys:
-            kvtier_store(round_)
-        for tensor in tensors:  # so that only the load can put these bytes back
-            tensor[block_ids] = 0
-        load = manager.plan_load("l", stored_keys, block_ids.tolist(), layerwise=True)
+    def kvtier_load(self) -> None:
+        if not self.stored_keys:
+            self.kvtier_store()
+        worker, manager, blocks = self.worker, self.manager, self.block_ids.tolist()
+        for tensor in self.tensors:  # so that only the load can put these bytes back
+            tensor[self.block_ids] = 0
+        load = manager.plan_load("l", self.stored_keys, blocks, layerwise=True)
         began = time.perf_counter()
         worker.submit_load_layers(load)
-        for layer in range(num_layers):
+        for layer in range(self.num_layers):
             worker.wait_for_layer([load.job_id], layer)
-        results["load"].append(time.perf_counter() - began)
+        self.results["load"].append(time.perf_counter() - began)
         _drain(worker, manager, 1)
-        exact[0] &= all(torch.equal(t[block_ids].view(torch.int16), e.view(torch.int16))
-                        for t, e in zip(tensors, stored_bytes))
+        self.exact &= all(torch.equal(t[self.block_ids].view(torch.int16), e.view(torch.int16))
+                          for t, e in zip(self.tensors, self.stored_bytes))
 
-        load = manager.plan_load("l", stored_keys, block_ids.tolist(), layerwise=True)
+        load = manager.plan_load("l", self.stored_keys, blocks, layerwise=True)
 
         def load_overlapped() -> float:
             began = time.perf_counter()
             worker.submit_load_layers(load)
-            compute_all(before_layer=lambda layer: worker.wait_for_layer([load.job_id], layer))
+            self.compute_all(before_layer=lambda layer: worker.wait_for_layer([load.job_id], layer))
             return time.perf_counter() - began
 
-        around("load_overlapped", load_overlapped)
+        self.around("load_overlapped", load_overlapped)
         _drain(worker, manager, 1)
-        stored_keys.clear()  # the compute wrote over the loaded blocks: the next load stores first
+        self.stored_keys.clear()  # the compute wrote over the loaded blocks: the next load stores first
 
-    def raw_store_round(round_: int) -> None:
-        results["raw_store"].append(raw(raw_store, False, False))
-        around("raw_store_overlapped", lambda: raw(raw_store, True, False))
+    def raw_store_round(self) -> None:
+        self.results["raw_store"].append(self.raw(self.raw_store, False, False))
+        self.around("raw_store_overlapped", lambda: self.raw(self.raw_store, True, False))
 
-    def raw_load_round(round_: int) -> None:
-        results["raw_load"].append(raw(raw_load, False, True))
-        around("raw_load_overlapped", lambda: raw(raw_load, True, True))
+    def raw_load_round(self) -> None:
+        self.results["raw_load"].append(self.raw(self.raw_load, False, True))
+        self.around("raw_load_overlapped", lambda: self.raw(self.raw_load, True, True))
 
+    def close(self) -> None:
+        self.raw_store.close()
+        self.raw_load.close()
+        self.worker.close()
+
+    def overlap(self, transfer: str, together: str) -> float:
+        per_round = [(c + t - both) / t for c, t, both in
+                     zip(self.baselines[together], self.results[transfer], self.results[together])]
+        return float(np.clip(np.median(per_round), 0.0, 1.0))
+
+
+def run(num_layers: int = 16, num_blocks: int = 128, kv_heads: int = 4, block_size: int = 32, head_size: int = 128,
+        repeats: int = 45) -> dict:
+    torch.set_num_threads(1)  # compute on one core, copies on the other
+    rounds = _Rounds(num_layers, num_blocks, kv_heads, block_size, head_size)
     # Each round takes the four measurements in a new order: what runs just before one
     # (caches, the machine's drift) must not favour kvtier or its peer.
     order = random.Random(0)
-    steps = [kvtier_store, kvtier_load, raw_store_round, raw_load_round]
-    for round_ in range(repeats):
+    steps = [rounds.kvtier_store, rounds.kvtier_load, rounds.raw_store_round, rounds.raw_load_round]
+    for _ in range(repeats):
         for step in order.sample(steps, len(steps)):
-            step(round_)
-    raw_store.close()
-    raw_load.close()
-    worker.close()
-    best = {name: float(np.median(times)) for name, times in results.items()}
-
-    def overlap(transfer, together):
-        per_round = [(c + t - both) / t for c, t, both in zip(baselines[together], results[transfer], results[together])]
-        return float(np.clip(np.median(per_round), 0.0, 1.0))
-
+            step()
+    rounds.close()
+    best = {name: float(np.median(times)) for name, times in rounds.results.items()}
     return {
-        "num_layers": num_layers, "layer_bytes": layer_bytes,
+        "num_layers": num_layers, "layer_bytes": rounds.layer_bytes,
         "per_layer_compute_ms": best["compute"] / num_layers * 1000,
         "per_layer_store_ms": best["store"] / num_layers * 1000,
         "per_layer_load_ms": best["load"] / num_layers * 1000,
         "compute_s": best["compute"], "store_s": best["store"], "store_overlapped_s": best["store_overlapped"],
         "load_s": best["load"], "load_overlapped_s": best["load_overlapped"],
-        "overlap_fraction": overlap("store", "store_overlapped"),
-        "load_overlap_fraction": overlap("load", "load_overlapped"),
+        "overlap_fraction": rounds.overlap("store", "store_overlapped"),
+        "load_overlap_fraction": rounds.overlap("load", "load_overlapped"),
         "raw_store_s": best["raw_store"], "raw_load_s": best["raw_load"],
-        "raw_overlap_fraction": overlap("raw_store", "raw_store_overlapped"),
-        "raw_load_overlap_fraction": overlap("raw_load", "raw_load_overlapped"),
-        "exact": bool(exact[0]),
+        "raw_overlap_fraction": rounds.overlap("raw_store", "raw_store_overlapped"),
+        "raw_load_overlap_fraction": rounds.overlap("raw_load", "raw_load_overlapped"),
+        "exact": bool(rounds.exact),
     }
 
 

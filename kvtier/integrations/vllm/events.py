@@ -71,6 +71,14 @@ class KVEvents:
         self.max_unheld = max_unheld
         self.journal = journal  # the disk tier's blocks' metadata, for a restart to announce them
 
+    @classmethod
+    def of(cls, manager) -> "KVEvents":
+        """Events for ``manager``'s (a ``TierManager``'s) tiers; a disk tier keeps a journal beside its
+        entries, so that a restart announces what the disk holds."""
+        disk = next((tier for tier in manager.tiers if tier.name == "disk"), None)
+        journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
+        return cls({spec.name: spec.location for spec in manager.specs}, journal=journal)
+
     def remember(self, request, keys: list[bytes], first_block: int, block_size: int) -> None:
         """vLLM's metadata of ``keys``, the request's blocks from ``first_block`` on."""
         hashes = getattr(request, "block_hashes", None) or []

@@ -26,13 +26,15 @@ ASK_EVERY_S = 0.05  # how often a waiting request's blocks are asked of the tier
 IDLE_WAIT_S = 0.01
 
 
-def handed_tokens(request) -> int:
-    """The prompt tokens a producer said it stores for this request (0: none said)."""
+def handed_tokens(request, block_size: int | None = None) -> int:
+    """The prompt tokens a producer said it stores for this request (0: none said); with
+    ``block_size``, those of its full blocks only (for an instance that loads no partial block)."""
     params = getattr(request, "kv_transfer_params", None)
     value = params.get(PARAM) if isinstance(params, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return 0
-    return min(value, request.num_tokens)
+    tokens = min(value, request.num_tokens)
+    return tokens - tokens % block_size if block_size else tokens
 
 
 class _Wait:

@@ -68,3 +68,21 @@ class KVTierHandshake(KVConnectorHandshakeMetadata):
     rank_fingerprint: bytes  # names this rank's entries: rank, device layout, model, ...
     slot_bytes: int
     layout: str
+
+
+def check_handshakes(metadata: dict[int, KVTierHandshake], tp_rank_count: int, slot_bytes: int) -> list[bytes]:
+    """Every rank's entry names, each once, once every rank's handshake agrees with vLLM's spec:
+    one host slot and one entry size serve every rank."""
+    ranks = sorted(metadata)
+    if ranks != list(range(tp_rank_count)):
+        raise ValueError(f"kvtier: expected a handshake from ranks 0..{tp_rank_count - 1} "
+                         f"(tensor x pipeline parallel), got {ranks}")
+    sizes = {metadata[r].slot_bytes for r in ranks}
+    if len(sizes) > 1:
+        raise ValueError(f"kvtier: the pipeline stages hold {sorted(sizes)} bytes per block, and kvtier needs "
+                         f"every stage to hold the same: a pipeline_parallel_size that divides the model's "
+                         f"layers, or VLLM_PP_LAYER_PARTITION giving each stage as many")
+    if sizes != {slot_bytes}:
+        raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {slot_bytes}")
+    # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
+    return list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))

@@ -16,8 +16,9 @@ from kvtier.config import KVTierConfig
 from kvtier.hits import LoadHits
 from kvtier.integrations.vllm.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
 from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata, check_handshakes
 from kvtier.integrations.vllm.metrics import StatsTracker
+from kvtier.integrations.vllm.misses import count_misses
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.integrations.vllm.requests import Requests, loads_nothing, unsupported
 from kvtier.integrations.vllm.store_plans import StorePlans
@@ -36,6 +37,7 @@ class SchedulerSide:
         # Requests waiting for a producer's stores.
         self.handoffs = HandOffs(config.load_timeout_s, config.handoff_stall_s)
         self.partial_blocks = config.store_partial_block or kv_role in ("kv_producer", "kv_consumer")
+        self._handed_block_size = None if self.partial_blocks else geometry.block_size  # ``handed_tokens``
         self.config = config
         self.geometry = geometry
         self.block_size = geometry.block_size
@@ -62,29 +64,15 @@ class SchedulerSide:
 
     def on_handshake(self, metadata: dict) -> None:
         """Every worker's ``KVTierHandshake``, keyed by its rank (``namespace.worker_rank``)."""
-        ranks = sorted(metadata)
-        if ranks != list(range(self.geometry.tp_rank_count)):
-            raise ValueError(f"kvtier: expected a handshake from ranks 0..{self.geometry.tp_rank_count - 1} "
-                             f"(tensor x pipeline parallel), got {ranks}")
-        sizes = {metadata[r].slot_bytes for r in ranks}
-        if len(sizes) > 1:  # one host slot and one entry size serve every rank
-            raise ValueError(f"kvtier: the pipeline stages hold {sorted(sizes)} bytes per block, and kvtier needs "
-                             f"every stage to hold the same: a pipeline_parallel_size that divides the model's "
-                             f"layers, or VLLM_PP_LAYER_PARTITION giving each stage as many")
-        if sizes != {self.geometry.slot_bytes}:
-            raise ValueError(f"kvtier: workers hold {sizes} bytes per block, vLLM's spec says {self.geometry.slot_bytes}")
-        # Replicated KV (save_only_first_rank): every rank names rank 0's entries; count them once.
-        fingerprints = list(dict.fromkeys(metadata[r].rank_fingerprint for r in ranks))
+        fingerprints = check_handshakes(metadata, self.geometry.tp_rank_count, self.geometry.slot_bytes)
         self.manager = TierManager(self.config, self.geometry.slot_bytes, fingerprints, self.geometry.tp_rank_count,
                                    track_holdings=self.kv_events)
         self.manager.ledger.block_tokens = self.block_size
         self.stores = StorePlans(self.manager, self.requests, self.partial_blocks, self.config.load_timeout_s,
                                  self.geometry.skipped_blocks if self.geometry.sliding_window else None)
         if self.kv_events:
-            from kvtier.integrations.vllm.events import DiskJournal, KVEvents
-            disk = next((tier for tier in self.manager.tiers if tier.name == "disk"), None)
-            journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
-            self._events = KVEvents({spec.name: spec.location for spec in self.manager.specs}, journal=journal)
+            from kvtier.integrations.vllm.events import KVEvents
+            self._events = KVEvents.of(self.manager)
             self.requests.on_keyed = self._events.remember  # vLLM's hashes of new blocks, for any tier's events
         # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
         # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
@@ -118,7 +106,8 @@ class SchedulerSide:
             return None, False  # a tier has not answered, or a block or host slot is coming: vLLM asks again
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
-        if hit_tokens < self._handed_tokens(request):  # a producer is still storing this prompt: wait, bounded
+        # A producer is still storing this prompt: wait, bounded.
+        if hit_tokens < handed_tokens(request, self._handed_block_size):
             # No wait where its blocks cannot come: the storage pool is down, or this request's load failed from it.
             if self.manager.can_arrive(request.request_id):
                 wait, ask_again = self.handoffs.wait(request.request_id, hit_tokens)
@@ -146,12 +135,6 @@ class SchedulerSide:
             return num_external, False
         return num_external, True
 
-    def _handed_tokens(self, request) -> int:
-        """The prompt tokens a producer said it stores, of those this instance loads (its full blocks
-        only, unless it loads partial blocks too)."""
-        tokens = handed_tokens(request)
-        return tokens if self.partial_blocks else tokens - tokens % self.block_size
-
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
@@ -159,21 +142,8 @@ class SchedulerSide:
             return  # the second call, after a load: only the block list changed
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
-        missed = request.num_tokens - hit_tokens
-        self.miss_tokens += missed
-        # A lookup after a failed load: the failed blocks that no other tier delivers now count under the
-        # failure's reason, and only once.
-        counted = self.manager.ledger.settle(request.request_id, missed)
-        if no_kv := loads_nothing(request, self.geometry):
-            self.manager.ledger.count(no_kv, missed - counted)
-        elif missed > counted:  # counted under the reason of the first block not found: the rest follow it
-            full = self.requests.full_keys(state, request.num_tokens)
-            first_missed = hit_tokens // self.block_size
-            reason = (self.manager.miss_reason(full[first_missed], request.request_id)
-                      if first_missed < len(full) else "partial_block")  # only the last, partial block
-            if reason in ("never_stored", "partial_block") and hit_tokens < self._handed_tokens(request):
-                reason = "producer_late"  # a producer said it stores them; it had not, when the wait ended
-            self.manager.ledger.count(reason, missed - counted, request.all_token_ids, hit_tokens, state.extra_keys)
+        self.miss_tokens += count_misses(self.manager, self.requests, self.geometry, request, state, hit_tokens,
+                                         handed_tokens(request, self._handed_block_size))
         if num_external_tokens == 0:
             self.manager.drop_lookup(request.request_id)  # it loads nothing: the host slots it counted on are free
             return

@@ -1,0 +1,115 @@
+"""The package's shape: no import circle, no oversized class, the core free of the engine and of
+the benchmarks, the scheduler's half free of torch. Read from the source (``ast``) and from a
+fresh interpreter's ``sys.modules``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvtier"
+MAX_CLASS_LINES = 250
+# The scheduler's half and the I/O process's: they run without torch and without any engine.
+TORCH_FREE = ["kvtier.manager", "kvtier.completions", "kvtier.lookups", "kvtier.load_waves", "kvtier.ledger",
+              "kvtier.hits", "kvtier.plans", "kvtier.keys", "kvtier.config", "kvtier.entry", "kvtier.namespaces",
+              "kvtier.tiers.registry", "kvtier.tiers.host", "kvtier.tiers.disk", "kvtier.tiers.shared_dir",
+              "kvtier.tiers.mooncake", "kvtier.tiers.redis", "kvtier.io.process", "kvtier.io.client"]
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function (``TYPE_CHECKING`` blocks aside)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # imports for type checkers only: never run
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for after in sorted(graph[node]):
+            if state.get(after) == 1:
+                return path[path.index(after):] + [after]
+            if after not in state and (found := visit(after, path)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_imports_itself_back_even_from_inside_a_function():
+    assert _cycle(_graph()) is None
+
+
+def test_no_class_is_over_about_250_lines():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long
+
+
+def _importers_of(prefix: str) -> set[str]:
+    return {name for name, path in _modules().items()
+            if any(m == prefix or m.startswith(prefix + ".") for m in _imports(path))}
+
+
+def test_only_the_engine_integration_and_the_engine_harness_import_vllm():
+    assert {m for m in _importers_of("vllm") if not m.startswith(("kvtier.integrations.vllm", "kvtier.demo"))} == set()
+
+
+def test_nothing_but_the_command_line_and_the_benchmarks_import_the_benchmarks():
+    assert {m for m in _importers_of("kvtier.bench") if not m.startswith("kvtier.bench")} == {"kvtier.cli"}
+
+
+def test_the_core_does_not_import_the_engine_harness():
+    """``kvtier.demo`` runs engines for the demo, the benchmarks and the tests: the product runs without it."""
+    users = {m for m in _importers_of("kvtier.demo") if not m.startswith(("kvtier.demo", "kvtier.bench"))}
+    assert users <= {"kvtier.cli"}
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_scheduler_and_io_halves_load_without_torch_or_an_engine(module):
+    code = (f"import sys, importlib; importlib.import_module({module!r}); "
+            "print(sorted(m for m in ('torch', 'vllm', 'kvtier.bench', 'kvtier.demo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
