@@ -133,8 +133,10 @@ KEYS: dict[str, _Key] = {
     "disk_dir": _Key(
         _default_disk_dir(), _parse_disk_dir, lambda v: True,
         "a writable directory (made if missing), or null to disable the disk tier",
-        "Directory of the local disk tier (the embedded default's second tier), one instance's own: a second "
-        "instance on the same directory stops at start-up. Null disables it. Default: $XDG_CACHE_HOME/kvtier."),
+        "Directory of the local disk tier (the embedded default's second tier). Instances on one directory "
+        "(servers of one node, all on the default) each take a file of their own and share no entry; "
+        "instances that should share entries use remote_url: file:///... Null disables it. "
+        "Default: $XDG_CACHE_HOME/kvtier."),
     "disk_bytes": _Key(
         "16GiB", parse_bytes, lambda v: v > 0,
         "a byte count > 0, as an integer or a string such as '100GiB'",
