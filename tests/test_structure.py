@@ -5,6 +5,7 @@ fresh interpreter's ``sys.modules``."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ TORCH_FREE = ["kvtier.manager", "kvtier.completions", "kvtier.lookups", "kvtier.
               "kvtier.tiers.mooncake", "kvtier.tiers.redis", "kvtier.io.process", "kvtier.io.client"]
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
@@ -28,7 +30,8 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """Every module ``path`` imports, at its top or inside a function (``TYPE_CHECKING`` blocks aside)."""
     found = set()
     tree = ast.parse(path.read_text())
@@ -41,7 +44,7 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def _graph() -> dict[str, set[str]]:
