@@ -543,14 +543,14 @@ def test_calls_that_arrive_while_the_pool_connects_wait_for_it_and_succeed(tmp_p
 def test_a_mooncake_pool_that_is_down_never_stops_the_processs_other_threads():
     """Mooncake's client setup holds the GIL while it retries a master that is not there (90 s,
     seen): the first call to a dead pool must fail fast, and another thread must keep running."""
+    import importlib
     import threading
-
-    import mooncake.store  # noqa: F401  # loaded first: loading the library holds the GIL, as any import does
 
     from kvtier.servers import free_port
     from kvtier.tiers.mooncake import MooncakeClient
     from kvtier.tiers.pool import GuardedClient
 
+    importlib.import_module("mooncake.store")  # loaded first: loading the library holds the GIL, as any import does
     url = f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata"
     guarded = GuardedClient(url, lambda: MooncakeClient(url, 1.0), timeout_s=1.0, retry_s=60)
     ticks, stop = [], threading.Event()
