@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m kvtier.cli demo
 
 # The smoke runs' environments are installed while the suite runs. The suite runs in two parts:
-# the tests without an engine alone (some time what kvtier does while no other work runs), then the
+# the tests without an engine first (some time what kvtier does, so no engine runs beside them), then the
 # engine tests on two workers, a test file each at a time (an engine run is mostly one busy thread
 # and waits: start-up imports, vLLM's shutdown).
 test: $(STAMP)
