@@ -60,11 +60,13 @@ class Completions:
         self._tiers = {tier.name: tier for tier in self.tiers}
         self.num_workers = num_workers
         self._pending: dict[int, _Pending] = {}
+        self.num_pending_loads = 0  # of the pending jobs, loads
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
 
     def expect(self, job: LoadJob | StoreJob) -> None:
         """``job`` was sent: its pins are released when every worker has reported it."""
         self._pending[job.job_id] = _Pending(job)
+        self.num_pending_loads += isinstance(job, LoadJob)
 
     def on_reports(self, reports: Sequence[JobReport]) -> list[int]:
         """Take workers' reports; returns the ids of jobs now complete on every worker."""
@@ -77,6 +79,7 @@ class Completions:
             pending.reports.append(report)
             if len(pending.reports) == self.num_workers:
                 del self._pending[report.job_id]
+                self.num_pending_loads -= isinstance(pending.job, LoadJob)
                 self._complete(pending)
                 completed.append(report.job_id)
         self.waves.on_completed(completed)

@@ -194,8 +194,9 @@ KEYS: dict[str, _Key] = {
     "idle_step_wait_s": _Key(
         0.002, _parse_float, lambda v: 0 <= v <= 0.1, "a number of seconds in [0, 0.1]",
         "In an engine step that computes nothing while a load is in flight, the engine's thread waits this "
-        "long at most for a job to finish instead of stepping again at once, leaving the CPU to kvtier's I/O "
-        "(a new request waits as long at most). 0: never waits."),
+        "long at most for a job to finish instead of stepping again at once, leaving the CPU to kvtier's I/O; "
+        "with no load in flight, as long for the answers that lookups wait for from a storage pool or shared "
+        "directory (a new request waits as long at most). 0: never waits."),
     "shutdown_flush_s": _Key(
         10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600]",
         "At a clean shutdown, how long kvtier may take to store finished requests' blocks still waiting for "

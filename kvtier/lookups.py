@@ -88,6 +88,13 @@ class Lookups:
             self._promised[token] = taken
         return hits
 
+    def wait_for_answers(self, timeout_s: float) -> None:
+        """An engine step that computes nothing: wait for the tiers' answers that lookups wait for
+        (each tier in turn, all within ``timeout_s``) instead of asking again at once."""
+        deadline = time.monotonic() + timeout_s
+        for tier in self.tiers:
+            tier.wait_for_answers(deadline - time.monotonic())
+
     def source(self, key: bytes, found: list[dict[bytes, bool]]) -> str | None:
         """Where a block can be loaded from: "host", a tier's name, or None."""
         if self.host.lookup((key,)):

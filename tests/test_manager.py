@@ -372,3 +372,42 @@ def test_a_failed_load_counts_as_a_miss_only_what_no_other_tier_delivers():
     ledger.count_failed_load("b", "load_abandoned", 2)
     ledger.forget("b")  # it went away before its next lookup: both blocks were recomputed, or never needed
     assert ledger.misses == {"damaged": 16, "load_abandoned": 32} and not ledger.load_misses
+
+
+def test_an_idle_step_waits_for_a_tiers_answers_only_while_no_load_is_pending(tmp_path):
+    """``wait_for_lookups`` (an engine step with nothing to compute): a lookup waiting for a tier that
+    is asked off the scheduler's thread (a shared directory here) is waited for, unless a load is
+    pending: the workers wait for that one, and a new request should wait for one of the two at most."""
+    mgr = manager(str(tmp_path / "disk"), host_slots=4, disk_entries=10, remote_url=f"file://{tmp_path / 'shared'}")
+    shared = mgr.tiers[1]
+    assert shared.asks_the_tier
+    assert mgr.lookup(chain(0, 2), token="r") is None  # asked; answered off this thread
+    mgr.wait_for_lookups(30.0)
+    assert shared.num_waits == 1
+    assert mgr.lookup(chain(0, 2), token="r") == 0  # the answer was in when the wait ended
+    complete(mgr, mgr.plan_store("s", chain(1, 1), [0]))
+    assert mgr.lookup(chain(1, 1), token="l") == 1
+    load = mgr.plan_load("l", chain(1, 1), [5])
+    assert mgr.lookup(chain(2, 2), token="q") is None
+    mgr.wait_for_lookups(30.0)
+    assert shared.num_waits == 1  # the load is pending: not waited for here
+    complete(mgr, load)
+    mgr.wait_for_lookups(30.0)
+    assert shared.num_waits == 2
+    assert mgr.lookup(chain(2, 2), token="q") == 0
+
+
+def test_a_wait_for_a_tiers_answer_ends_at_its_bound():
+    from kvtier.tiers.base import ExistenceIndex
+
+    class Unanswered:
+        def done(self):
+            return False
+
+    index = ExistenceIndex("slow", lambda keys: Unanswered(), timeout_s=60.0)
+    assert index.lookup(chain(0, 1), "r") is None
+    began = time.monotonic()
+    index.wait_for_answers(0.05)
+    took = time.monotonic() - began
+    assert 0.05 <= took < 5.0
+    assert index.lookup(chain(0, 1), "r") is None  # still waiting for the tier: ask again

@@ -639,3 +639,27 @@ def test_a_store_finds_its_slots_buffers_and_addresses_by_arithmetic_exactly():
             _Rows(rows).spans(ids + [count])
 
     check()
+
+
+def test_an_idle_step_waits_for_a_pool_checks_answer_not_for_its_bound():
+    """``wait_for_answers`` (an engine step with nothing to compute while a lookup waits for the pool)
+    returns once the lookup process has answered: the next lookup has the answer at once."""
+    import redis
+
+    from kvtier.tiers import redis as redis_tier
+
+    fp = b"\x01" * 16
+    with local_redis() as server:
+        index = redis_tier.make_index(TierSpec("redis", "kvtier.tiers.redis", server.url, timeout_s=30.0), 64, [fp])
+        keys = keys_of([1, 2])
+        redis.Redis.from_url(server.url).set(pool_key(fp, keys[0]), b"stored")
+        index.wait_for_answers(30.0)  # no lookup waits: returns at once
+        assert index.num_waits == 0
+        for token in ("first", "second"):  # the first also waits for the lookup process's client to connect
+            assert index.lookup(keys, token) is None
+            began = time.monotonic()
+            index.wait_for_answers(30.0)
+            assert index.lookup(keys, token) == [True, False]
+            assert time.monotonic() - began < 20.0, "waited for the bound, not for the answer"
+        assert index.num_waits == 2
+        index.close()

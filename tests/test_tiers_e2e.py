@@ -89,6 +89,8 @@ def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(wo
     assert third["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
     assert third["kvtier"]["verify_failures"] == 0 and third["kvtier"]["host_pins"] == 0
     assert third["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
+    # A tier asked off the scheduler's thread: the steps that computed nothing meanwhile waited for its answer.
+    assert (third["kvtier"]["lookup_waits"] > 0) == (kind != "disk")
 
 
 def test_a_prompt_larger_than_the_host_pool_stored_just_before_exit_is_served_whole(workdir, model, references,

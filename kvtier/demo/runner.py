@@ -103,6 +103,7 @@ def kvtier_state(llm) -> dict:
         "host_evictions": manager.host.num_evictions,
         "tier_pins": sum(getattr(t, "num_pins", 0) for t in manager.tiers),
         "tier_checks": sum(getattr(t, "num_checks", 0) for t in manager.tiers),  # existence asked of shared tiers
+        "lookup_waits": sum(getattr(t, "num_waits", 0) for t in manager.tiers),  # idle steps that waited for those
         "pending_jobs": manager.num_pending,
         "pending_waves": scheduler.num_pending_waves,  # loads larger than the host pool, under way
         "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store

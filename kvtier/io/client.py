@@ -127,6 +127,7 @@ class IOProcess:
         self._channel: _Channel | None = None
         self._last_pump = 0.0  # when the engine's step last took answers (pump)
         self._engine_waiting = threading.Event()  # the engine's thread waits for answers: take them at once
+        self._news = threading.Event()  # set each time answers are taken (``wait_until``)
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
         # A lookup process's news (``Gone``): called with the names, on whichever thread takes answers.
@@ -239,6 +240,19 @@ class IOProcess:
         else:
             self._engine_waiting.clear()
 
+    def wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Block the caller (without the GIL) until ``done()``, asked again each time answers are taken,
+        at most ``timeout_s``; the receiver thread takes them at once meanwhile. ``done()``'s value."""
+        deadline = time.monotonic() + timeout_s
+        self.engine_waits(True)
+        try:
+            self._news.clear()  # before each ask: answers taken after it wake the wait
+            while not done() and self._news.wait(deadline - time.monotonic()):
+                self._news.clear()
+            return done()
+        finally:
+            self.engine_waits(False)
+
     def pump(self) -> None:
         """Take the answers that have arrived, on the caller's thread (the engine's step): while the
         engine's thread is busy, the receiver thread may wait up to a GIL switch interval for them."""
@@ -272,6 +286,8 @@ class IOProcess:
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()
+        if messages:
+            self._news.set()  # after the callbacks: a waiter woken by it finds what they did (``wait_until``)
 
     def _on_exit(self, channel: _Channel) -> None:
         channel.process.kill()  # it may only have closed the socket: make sure it writes nothing more
@@ -284,6 +300,7 @@ class IOProcess:
         why = f"kvtier {self.role} exited (code {code})"
         for blocks, callback in orphans.values():
             callback([unavailable(why)] * blocks)
+        self._news.set()  # a check waited for is answered too (failed)
         if self._closing:
             return
         self.num_exits += 1
@@ -305,11 +322,6 @@ class IOProcess:
             logger.error("kvtier: the %s died %d times in %.0f s; tiers below the host pool are off in this "
                          "process, blocks are recomputed", self.role, len(self._deaths), RESTART_WINDOW_S)
         return not self.disabled
-
-    @property
-    def num_jobs_in_flight(self) -> int:
-        with self._lock:
-            return len(self._callbacks)
 
     def close(self, flush_s: float) -> tuple[int, int]:
         """Let queued jobs finish for up to ``flush_s``, then stop the process. Returns

@@ -199,6 +199,11 @@ class TierIndex(ABC):
         """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
         return False
 
+    def wait_for_answers(self, timeout_s: float) -> None:
+        """An engine step with nothing to compute while lookups wait for this tier ("ask again"):
+        wait for their answers, at most ``timeout_s``, without the GIL. An index that answers at
+        once has nothing to wait for."""
+
     def silent(self, token: str) -> bool:
         """The tier could not answer ``token``'s last lookup (down, or past its timeout); busy is not silent."""
         return False
@@ -267,6 +272,18 @@ class TierStore(ABC):
         return None
 
 
+POLL_S = 0.0002  # how often a wait asks a check that cannot wake it (a shared directory's native thread)
+
+
+def _poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
 class ExistenceIndex(TierIndex):
     """An index for a tier that other instances write too (a shared directory, a storage
     pool): it holds no list of its own, it asks the tier, off the scheduler's thread.
@@ -281,7 +298,8 @@ class ExistenceIndex(TierIndex):
     wait. At most ``max_pending`` checks wait for an answer; lookups past them, or
     checks that cannot start (``OSError``), are misses at once, never a queue. Entries
     that failed to load are misses for a while, or the engine would ask for the same
-    broken entry again and again.
+    broken entry again and again. An engine step with nothing to compute may wait for the
+    pending answers instead of asking again at once (``wait_for_answers``, bounded).
 
     An answer stands for ``ANSWER_REUSE_S``: the same token asking about the same keys
     again within it gets it at once. vLLM asks again every step for a request it could
@@ -297,9 +315,14 @@ class ExistenceIndex(TierIndex):
     ANSWER_REUSE_S = 1.0
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
-                 failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0):
+                 failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0,
+                 wait: Callable[[Callable[[], bool], float], Any] | None = None):
         self.name = name
         self._start = start
+        # wait(done, timeout_s): block until done() or the timeout (a lookup process's ``wait_until``);
+        # by default done() is asked every ``POLL_S``, sleeping between.
+        self._wait = wait or _poll_until
+        self.num_waits = 0  # idle engine steps that waited for this tier's answers
         self.timeout_s = timeout_s
         self._max_pending = max_pending
         self.num_overdue = 0
@@ -364,6 +387,12 @@ class ExistenceIndex(TierIndex):
             self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.ANSWER_REUSE_S}
         self._answered[token] = (keys, time.monotonic(), found)
         return self._usable(keys, found)
+
+    def wait_for_answers(self, timeout_s):
+        checks = [check for _, _, check in self._pending.values()]
+        if checks and timeout_s > 0:
+            self.num_waits += 1
+            self._wait(lambda: all(check.done() for check in checks), timeout_s)
 
     def _busy(self, keys, token):
         """No check could start for ``token``: a miss, never a wait, and no verdict on the tier."""

@@ -181,6 +181,8 @@ class SchedulerSide:
         finished_store_jobs = self.stores.finish(self._send_waits) if self.manager is not None else []
         idle = scheduler_output.total_num_scheduled_tokens == 0
         waiting = self.handoffs.waited_this_step()  # a request waits for a producer's blocks
+        if idle and not waiting and self.manager is not None:  # (waiting: the workers wait for a producer)
+            self.manager.wait_for_lookups(self.config.idle_step_wait_s)  # rather than a busy loop: see there
         meta = KVTierMetadata(self._new_loads, store_jobs, self._preempted_store_job_ids, finished_store_jobs,
                               self._send_waits, idle=idle, idle_wait_s=HANDOFF_IDLE_WAIT_S if idle and waiting else 0.0,
                               reports_taken=dict(self._reports_taken))
