@@ -60,13 +60,11 @@ class Completions:
         self._tiers = {tier.name: tier for tier in self.tiers}
         self.num_workers = num_workers
         self._pending: dict[int, _Pending] = {}
-        self.num_pending_loads = 0  # of the pending jobs, loads
         self._held: dict[int, int] = {}  # slot -> ranks whose abandoned read may still write it
 
     def expect(self, job: LoadJob | StoreJob) -> None:
         """``job`` was sent: its pins are released when every worker has reported it."""
         self._pending[job.job_id] = _Pending(job)
-        self.num_pending_loads += isinstance(job, LoadJob)
 
     def on_reports(self, reports: Sequence[JobReport]) -> list[int]:
         """Take workers' reports; returns the ids of jobs now complete on every worker."""
@@ -79,7 +77,6 @@ class Completions:
             pending.reports.append(report)
             if len(pending.reports) == self.num_workers:
                 del self._pending[report.job_id]
-                self.num_pending_loads -= isinstance(pending.job, LoadJob)
                 self._complete(pending)
                 completed.append(report.job_id)
         self.waves.on_completed(completed)
@@ -106,6 +103,10 @@ class Completions:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def loads_pending(self) -> bool:
+        return any(isinstance(pending.job, LoadJob) for pending in self._pending.values())
 
     def _complete(self, pending: _Pending) -> None:
         job, reports = pending.job, pending.reports
