@@ -82,7 +82,7 @@ def test_a_worker_never_waits_past_its_deadline_on_a_scheduler_side_that_does_no
     server = DrainServer(Finishing(), held, num_ranks=1, budget_s=10.0)
     began = time.monotonic()
     drain_finished_requests(Rank(0), server.address, time.monotonic() + 0.5)
-    assert 0.5 <= time.monotonic() - began < 2.0
+    assert 0.5 <= time.monotonic() - began < 5.0  # the held lock would keep it forever: 5 s leaves room for a busy CI
     held.release()
     server._thread.join(2.0)
     assert not server._thread.is_alive() and server.num_steps == 0

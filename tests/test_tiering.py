@@ -3,6 +3,7 @@
 import os
 import random
 import resource
+import threading
 import time
 
 import pytest
@@ -192,6 +193,41 @@ def test_an_idle_engine_step_waits_for_a_load_instead_of_stepping_again(disk_dir
     second.worker.wait_for_a_load(10.0)
     assert time.monotonic() - began < 5.0, "waited although a job had finished"
     assert second.worker.poll()[0].success
+    second.close()
+
+
+def test_an_idle_step_waits_for_a_load_whose_copy_is_over_until_its_report_is_in(disk_dir):
+    """Between a load's last copy and its report (on the thread that saw the copy end), the load is
+    still in flight for ``wait_for_a_load``: an idle step that returned there would step again at
+    once, a busy loop holding the GIL that the reporting thread needs to finish the report."""
+    tensors = layouts()[0][1]
+    randomize(tensors)
+    first = Engine(tensors, disk_dir)
+    first.store(keys_of(range(8)), list(range(1, 9)))
+    first.close()
+    second = Engine([torch.zeros_like(t) for t in tensors], disk_dir)
+    reporting, go_on = threading.Event(), threading.Event()
+    report_load = second.worker.loads.copied
+
+    def paused_report(load, result):  # the copy is over; the report waits for the test
+        reporting.set()
+        go_on.wait(10)
+        report_load(load, result)
+
+    second.worker.loads.copied = paused_report
+    second.worker.submit_load(second.manager.plan_load("r", keys_of(range(8)), list(range(20, 28))))
+    assert reporting.wait(10), "the load's copy never ended"
+    waited = []
+    idle_step = threading.Thread(target=lambda: waited.append(second.worker.wait_for_a_load(10.0)))
+    idle_step.start()
+    idle_step.join(0.3)
+    assert idle_step.is_alive(), "an idle step returned while the load's report was still to come"
+    go_on.set()
+    idle_step.join(10)
+    assert not idle_step.is_alive() and waited, "the report did not end the idle step's wait"
+    reports = second.worker.poll()
+    assert len(reports) == 1 and reports[0].success
+    second.manager.on_reports(reports)
     second.close()
 
 

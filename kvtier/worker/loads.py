@@ -178,7 +178,8 @@ class LoadPath:
         elif self.verifier is not None and load.usable:
             report.failed_block_ids += self.verifier.check(*zip(*load.usable))
         report.success = not report.failed_block_ids
-        with self.book.lock:
+        with self.book.lock:  # in one hold: a waiting idle step sees the load in flight or its report
+            del self.book.loads[load.job.job_id]
             self.book.finish(report)
 
     def abandon_overdue(self, now: float) -> None:
