@@ -161,15 +161,20 @@ def test_a_restart_serves_from_disk(disk_dir):
     second.close()
 
 
-def test_an_idle_engine_step_waits_for_a_load_instead_of_stepping_again(disk_dir):
-    """``wait_for_a_load`` (a vLLM step that computes nothing) returns when a load finishes, not at its
-    bound, and at once when no load is in flight or one has finished but is not taken yet."""
+def reopened_with_eight_blocks_on_disk(disk_dir) -> Engine:
+    """A new engine over empty tensors, whose disk tier holds the 8 blocks that another stored (keys 0..7)."""
     tensors = layouts()[0][1]
     randomize(tensors)
     first = Engine(tensors, disk_dir)
     first.store(keys_of(range(8)), list(range(1, 9)))
     first.close()
-    second = Engine([torch.zeros_like(t) for t in tensors], disk_dir)
+    return Engine([torch.zeros_like(t) for t in tensors], disk_dir)
+
+
+def test_an_idle_engine_step_waits_for_a_load_instead_of_stepping_again(disk_dir):
+    """``wait_for_a_load`` (a vLLM step that computes nothing) returns when a load finishes, not at its
+    bound, and at once when no load is in flight or one has finished but is not taken yet."""
+    second = reopened_with_eight_blocks_on_disk(disk_dir)
     began = time.monotonic()
     second.worker.wait_for_a_load(10.0)
     assert time.monotonic() - began < 5.0, "waited with no load in flight"
@@ -200,12 +205,7 @@ def test_an_idle_step_waits_for_a_load_whose_copy_is_over_until_its_report_is_in
     """Between a load's last copy and its report (on the thread that saw the copy end), the load is
     still in flight for ``wait_for_a_load``: an idle step that returned there would step again at
     once, a busy loop holding the GIL that the reporting thread needs to finish the report."""
-    tensors = layouts()[0][1]
-    randomize(tensors)
-    first = Engine(tensors, disk_dir)
-    first.store(keys_of(range(8)), list(range(1, 9)))
-    first.close()
-    second = Engine([torch.zeros_like(t) for t in tensors], disk_dir)
+    second = reopened_with_eight_blocks_on_disk(disk_dir)
     reporting, go_on = threading.Event(), threading.Event()
     report_load = second.worker.loads.copied
 

@@ -179,8 +179,8 @@ class LoadPath:
             report.failed_block_ids += self.verifier.check(*zip(*load.usable))
         report.success = not report.failed_block_ids
         with self.book.lock:  # in one hold: a waiting idle step sees the load in flight or its report
-            del self.book.loads[load.job.job_id]
-            self.book.finish(report)
+            if self.book.loads.pop(load.job.job_id, None) is not None:  # else abandoned: reported then
+                self.book.finish(report)
 
     def abandon_overdue(self, now: float) -> None:
         with self.book.lock:
