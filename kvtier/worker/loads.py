@@ -178,9 +178,11 @@ class LoadPath:
         elif self.verifier is not None and load.usable:
             report.failed_block_ids += self.verifier.check(*zip(*load.usable))
         report.success = not report.failed_block_ids
-        with self.book.lock:  # in one hold: a waiting idle step sees the load in flight or its report
-            if self.book.loads.pop(load.job.job_id, None) is not None:  # else abandoned: reported then
-                self.book.finish(report)
+        # In one hold: a waiting idle step sees the load in flight or its report. (A load is never
+        # abandoned with a copy in flight, ``abandon_overdue``: it is still here.)
+        with self.book.lock:
+            del self.book.loads[load.job.job_id]
+            self.book.finish(report)
 
     def abandon_overdue(self, now: float) -> None:
         with self.book.lock:
