@@ -172,6 +172,13 @@ KEYS: dict[str, _Key] = {
         86400.0, _parse_float, lambda v: 0 <= v <= 10 * 365 * 86400, "a number of seconds >= 0 (0: never)",
         "Redis/Valkey: entries kvtier writes expire after this long (SET EX), so a pool without an "
         "eviction policy does not fill up with KV nobody reads. 0: no expiry. Mooncake evicts on its own."),
+    "remote_answer_s": _Key(
+        1.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
+        "How long the shared tier's answer about a request's blocks stands for that request: vLLM asks "
+        "again every step about a request it cannot schedule yet (no room in its KV cache), and within "
+        "this time it gets the same answer instead of a new check of the tier. Longer: fewer checks; a "
+        "block the tier dropped meanwhile costs a failed load (recomputed), one stored meanwhile by another "
+        "instance is found later (this instance's own stores end the answer at once)."),
     "remote_audit_s": _Key(
         10.0, _parse_float, lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600] (0: never)",
         "How often the shared tier is asked whether the blocks this instance stored there are still held "
@@ -250,6 +257,7 @@ class KVTierConfig:
     remote_timeout_s: float
     remote_retry_s: float
     remote_ttl_s: float
+    remote_answer_s: float
     remote_audit_s: float
     store_to: tuple[str, ...]
     load_timeout_s: float

@@ -45,6 +45,7 @@ def test_unknown_environment_variable_is_named():
     ("store_partial_block", "maybe", "true or false"),
     ("load_failure_policy", "ignore", "'recompute' or 'fail'"),
     ("config_file", "/no/such/file.yaml", "existing YAML file"),
+    ("remote_answer_s", 0, "seconds in (0, 3600]"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(key, value, allowed):
     with pytest.raises(ConfigError) as error:
@@ -62,3 +63,15 @@ def test_yaml_with_unknown_key_is_rejected(tmp_path):
 
 def test_null_disk_dir_disables_disk():
     assert KVTierConfig.from_sources({"disk_dir": None}, environ={}).disk_dir is None
+
+
+def test_the_shared_tiers_answer_stands_as_long_as_configured(tmp_path):
+    from kvtier.tiers.registry import make_index, tier_specs
+
+    config = KVTierConfig.from_sources({"disk_dir": None, "remote_url": f"file://{tmp_path}",
+                                       "remote_answer_s": 7.5}, environ={})
+    index = make_index(tier_specs(config)[0], 4096, [bytes(8)])
+    try:
+        assert index.answer_s == 7.5
+    finally:
+        index.close()

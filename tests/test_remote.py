@@ -174,7 +174,7 @@ def test_what_redis_evicts_or_expires_on_its_own_reaches_the_index_as_it_happens
         keys = keys_of([1, 2, 3])
         writer.run(writer.manager.plan_store("a", keys, [1, 2, 3]), writer.worker.submit_store)
         index = reader.manager.tier("redis")
-        index.ANSWER_REUSE_S = 600.0  # an answer would stand all through the test, unless the news drops it
+        index.answer_s = 600.0  # an answer would stand all through the test, unless the news drops it
         assert reader.lookup(keys, token="t") == 3
         raw = redis.Redis.from_url(server.url)
         raw.set(pool_key(b"\x02" * 16, keys_of([4])[0]), b"x" * 100, px=50)  # another layout's: not news here

@@ -214,7 +214,7 @@ def test_an_answer_stands_for_a_request_asked_again_at_once(shared):
     assert index.lookup(keys, "r") is None and answer() == [True, True] and index.num_checks == 3
     index.complete_load([keys[0]], [keys[0]])  # found damaged: a miss at once, without asking
     assert index.lookup(keys, "r") == [False, True] and index.num_checks == 3
-    index.ANSWER_REUSE_S = 0.05
+    index.answer_s = 0.05
     time.sleep(0.06)
     assert index.lookup(keys, "r") is None and index.num_checks == 4  # an old answer is asked again
     answer()

@@ -186,21 +186,26 @@ def test_pipeline_stages_each_store_their_layers_and_a_prompt_stored_at_exit_is_
 @pytest.mark.parametrize("kind", ["file", "mooncake"])
 def test_requests_waiting_for_room_in_vllms_cache_ask_the_tier_once_each(workdir, model, kind, tmp_path):
     """vLLM's KV cache holds two of six prompts at a time; the others wait, and vLLM asks kvtier
-    about them again every step. Each request's blocks are asked of the tier about once (it asked
-    about every other step before), and every full block is served from it."""
+    about them again every step. With an answer that stands longer than the run
+    (``remote_answer_s``), each request's blocks are asked of the tier once (it asked about every
+    other step before), and every full block is served from it."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2000) for _ in range(600)] for _ in range(6)]
     engine = {**ENGINE, "max_model_len": 1024, "num_blocks": 48}
     with tier(kind, tmp_path) as extra:
+        # Past its default second, a request still waiting asks once more per second: how many times
+        # depends on this machine's pace, so the test lets the answer stand all through the run.
+        extra = {**extra, "remote_answer_s": 600}
         spec = {"model": model, "connector": "kvtier", "extra": extra, "engine": engine, "warmup": False}
         apps.run_app(workdir, f"room-{kind}-a", {**spec, "phases": [{"prompts": prompts, "max_tokens": 1}]})
         second = apps.run_app(workdir, f"room-{kind}-b", {**spec, "phases": [
             {"prompts": prompts, "max_tokens": 64, "mode": "concurrent"}]})
     outputs = second["phases"][0]["outputs"].values()
     assert [out["cached"] for out in outputs] == [600 // BLOCK * BLOCK] * len(prompts)
-    # One check per request, and one more for any that waited past an answer's second.
-    assert len(prompts) <= second["kvtier"]["tier_checks"] <= 2 * len(prompts)
-    assert second["kvtier"]["host_pins"] == 0 and second["kvtier"]["engine_requests"] == 0
+    # One check per request; a request vLLM preempted after its load asks again for what it lost.
+    state = second["kvtier"]
+    assert len(prompts) <= state["tier_checks"] <= len(prompts) + state["preemptions"]
+    assert state["host_pins"] == 0 and state["engine_requests"] == 0
 
 
 def test_an_idle_engines_last_request_is_in_the_tiers_within_a_second(workdir, model, tmp_path):

@@ -301,8 +301,8 @@ class ExistenceIndex(TierIndex):
     broken entry again and again. An engine step with nothing to compute may wait for the
     pending answers instead of asking again at once (``wait_for_answers``, bounded).
 
-    An answer stands for ``ANSWER_REUSE_S``: the same token asking about the same keys
-    again within it gets it at once. vLLM asks again every step for a request it could
+    An answer stands for ``answer_s`` (``remote_answer_s``, 1 s by default): the same
+    token asking about the same keys again within it gets it at once. vLLM asks again every step for a request it could
     not schedule (no room left in its KV cache, or a block of the prefix still being
     written to the host pool): without this, each such step would send the tier a new
     check and get "ask again" while it runs, so the request would also sit out every
@@ -312,12 +312,12 @@ class ExistenceIndex(TierIndex):
     """
 
     asks_the_tier = True
-    ANSWER_REUSE_S = 1.0
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
                  failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0,
-                 wait: Callable[[Callable[[], bool], float], Any] | None = None):
+                 wait: Callable[[Callable[[], bool], float], Any] | None = None, answer_s: float = 1.0):
         self.name = name
+        self.answer_s = answer_s
         self._start = start
         # wait(done, timeout_s): block until done() or the timeout (a lookup process's ``wait_until``);
         # by default done() is asked every ``POLL_S``, sleeping between.
@@ -354,7 +354,7 @@ class ExistenceIndex(TierIndex):
         entry = self._pending.get(token)
         if entry is None or entry[0] != keys:
             answered = self._answered.get(token)
-            if answered is not None and answered[0] == keys and time.monotonic() - answered[1] < self.ANSWER_REUSE_S:
+            if answered is not None and answered[0] == keys and time.monotonic() - answered[1] < self.answer_s:
                 return self._usable(keys, answered[2])
             if len(self._pending) >= self._max_pending:
                 return self._busy(keys, token)
@@ -384,7 +384,7 @@ class ExistenceIndex(TierIndex):
             (tokens.add if found is None else tokens.discard)(token)
         if len(self._answered) >= 4 * self._max_pending:  # tokens that never came back (forget() drops the rest)
             now = time.monotonic()
-            self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.ANSWER_REUSE_S}
+            self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.answer_s}
         self._answered[token] = (keys, time.monotonic(), found)
         return self._usable(keys, found)
 

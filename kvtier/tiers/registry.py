@@ -53,7 +53,7 @@ def tier_specs(config) -> list[TierSpec]:
         specs.append(TierSpec(name, module, config.remote_url, None, config.remote_timeout_s, config.remote_retry_s,
                               threads=config.disk_io_threads,
                               options={"write": "remote" in config.store_to, "ttl_s": config.remote_ttl_s,
-                                       "audit_s": config.remote_audit_s,
+                                       "audit_s": config.remote_audit_s, "answer_s": config.remote_answer_s,
                                        "entry_key_file": config.entry_key_file},
                               job_bytes=job_bytes(module)))
     return specs

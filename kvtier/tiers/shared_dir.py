@@ -64,7 +64,8 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
     root = _directory_and_bound(spec.location)[0]
     fingerprints = [fp.hex() for fp in rank_fingerprints]
     return ExistenceIndex(spec.name, lambda keys: _WholeEntries(root, HEADER_BYTES + slot_bytes, fingerprints, keys),
-                          spec.timeout_s, max_pending=MAX_CHECKS, audit_s=spec.options.get("audit_s", 0.0))
+                          spec.timeout_s, max_pending=MAX_CHECKS, audit_s=spec.options.get("audit_s", 0.0),
+                          answer_s=spec.options.get("answer_s", 1.0))
 
 
 class _WholeEntries:
