@@ -273,8 +273,8 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     """``vllm serve`` x2 (producer, consumer, both with an API key) on a Redis pool, and ``kvtier
     proxy`` in front: the client's key reaches both, ``n=2`` and streams work, the decode
     instance loads the whole prompt from the pool; with prefill killed, decode still answers
-    (computing the prompt); decode killed mid-stream ends the stream with an error event, and
-    a request after that gets a 502."""
+    (computing the prompt); decode killed mid-stream (its answer's headers out) ends the stream with
+    an error event, and a request after that gets a 502."""
     import os
     import signal
     import urllib.error
@@ -311,8 +311,10 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                 procs[0].wait()
                 other = {**request, "prompt": words(prompt(98, 300))}
                 without_prefill = http_json(url + "/v1/completions", other, headers=auth)
+                # Killed once the stream's headers are out, not after its first text event: a decode server
+                # short of CPU sends a long stream's events in a few late bursts, the first with the [DONE].
                 cut = stream_completion(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
-                                        after_first=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
+                                        on_open=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
                 try:
                     http_json(url + "/v1/completions", other, headers=auth)
                     after_decode = None

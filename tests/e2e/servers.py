@@ -21,16 +21,18 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120, heade
         return json.loads(response.read())
 
 
-def stream_completion(url: str, request: dict, headers: dict | None = None, after_first=None,
+def stream_completion(url: str, request: dict, headers: dict | None = None, on_open=None,
                       timeout: float = 300) -> dict:
     """POST a streamed completion; its text, whether ``[DONE]`` came, and its error events.
-    ``after_first`` runs once, after the first text event. The body is read with ``read1``:
-    a connection cut before the last chunk raises ``http.client.IncompleteRead`` (iterating
-    over the lines would end as if the stream were whole)."""
+    ``on_open`` runs once the answer's headers are in, before its body is read. The body is
+    read with ``read1``: a connection cut before the last chunk raises
+    ``http.client.IncompleteRead`` (iterating over the lines would end as if the stream were whole)."""
     post = urllib.request.Request(url + "/v1/completions", data=json.dumps(request).encode(),
                                   headers={"Content-Type": "application/json", **(headers or {})})
     text, done, errors, pending = "", False, [], b""
     with urllib.request.urlopen(post, timeout=timeout) as reply:
+        if on_open is not None:
+            on_open()
         while chunk := reply.read1(65536):
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
@@ -45,9 +47,6 @@ def stream_completion(url: str, request: dict, headers: dict | None = None, afte
                     errors.append(event["error"])
                     continue
                 text += event["choices"][0]["text"]
-                if after_first is not None:
-                    after_first()
-                    after_first = None
     return {"text": text, "done": done, "errors": errors}
 
 
