@@ -302,11 +302,11 @@ class ExistenceIndex(TierIndex):
     pending answers instead of asking again at once (``wait_for_answers``, bounded).
 
     An answer stands for ``answer_s`` (``remote_answer_s``, 1 s by default): the same
-    token asking about the same keys again within it gets it at once. vLLM asks again every step for a request it could
-    not schedule (no room left in its KV cache, or a block of the prefix still being
-    written to the host pool): without this, each such step would send the tier a new
-    check and get "ask again" while it runs, so the request would also sit out every
-    other step. A hit gone stale meanwhile costs a failed load (recompute), a miss one
+    token asking about the same keys again within it gets it at once. vLLM asks again
+    every step for a request it could not schedule (no room left in its KV cache, or a
+    block of the prefix still being written to the host pool): without this, each such
+    step would send the tier a new check and get "ask again" while it runs, so the
+    request would also sit out every other step. A hit gone stale meanwhile costs a failed load (recompute), a miss one
     block recomputed. A plan uses the answer up (``forget``): after a failed load, the
     request's next lookup asks the tier again.
     """
