@@ -137,3 +137,23 @@ def test_the_disk_events_journal_keeps_to_what_the_disk_holds_while_it_runs(tmp_
         found += again.take_found()
     again.close()
     assert sorted(found, key=lambda item: item[0]) == sorted(zip(keys[:4], meta[:4]), key=lambda item: item[0])
+
+
+def test_a_block_stored_again_since_the_journals_last_rewrite_is_announced_once_at_restart(tmp_path):
+    """Each store of a block appends a record; a restart announces the block once, with its last
+    record's metadata (it announced every record before: one block, many "stored" events)."""
+    from kvtier.integrations.vllm.events import BlockMeta, DiskJournal
+
+    path = tmp_path / "entries-0.kvtier.events"
+    key = os.urandom(16)
+    first, last = (BlockMeta(os.urandom(32), None, tuple(range(16)), None, None, None) for _ in range(2))
+    journal = DiskJournal(path, set())
+    journal.append(key, first)
+    journal.close()
+    journal = DiskJournal(path, {key})  # rewritten to the one record, then the block is evicted and stored again
+    journal.drop(key)
+    journal.append(key, last)
+    journal.close()
+    again = DiskJournal(path, {key})
+    again.close()  # the journal is read before its thread takes the close
+    assert again.take_found() == [(key, last)]

@@ -200,17 +200,21 @@ class DiskJournal:
 
         encoder = msgspec.msgpack.Encoder()
         live: dict[bytes, bytes] = {}  # key -> its record, for what the disk holds
+        found: dict[bytes, BlockMeta] = {}
         try:
             with open(self.path, "rb") as journal:
+                # A block stored again since the last rewrite has a record each time: the last one stands,
+                # and the block is announced once.
                 for record in _records(journal):
                     key, *fields = record
                     if isinstance(key, bytes) and key in held_keys and len(fields) == 6:
                         meta = BlockMeta(fields[0], fields[1], tuple(fields[2]), fields[3], fields[4], fields[5])
                         live[key] = _frame(encoder, key, meta)
-                        with self._lock:
-                            self._found.append((key, meta))
+                        found[key] = meta
         except (OSError, ValueError, msgspec.DecodeError):  # none yet, or cut short: what was read stands
             pass
+        with self._lock:
+            self._found.extend(found.items())
         journal = self._rewrite(live)
         written = len(live)  # records in the file; past twice the live ones (and 1,000), it is rewritten
         try:
