@@ -284,6 +284,12 @@ def _poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+def index_timings(spec: TierSpec) -> dict:
+    """The ``ExistenceIndex`` timings that a shared tier's spec sets (``remote_audit_s``,
+    ``remote_answer_s``); those it leaves out keep the index's defaults."""
+    return {name: spec.options[name] for name in ("audit_s", "answer_s") if name in spec.options}
+
+
 class ExistenceIndex(TierIndex):
     """An index for a tier that other instances write too (a shared directory, a storage
     pool): it holds no list of its own, it asks the tier, off the scheduler's thread.
@@ -306,8 +312,8 @@ class ExistenceIndex(TierIndex):
     every step for a request it could not schedule (no room left in its KV cache, or a
     block of the prefix still being written to the host pool): without this, each such
     step would send the tier a new check and get "ask again" while it runs, so the
-    request would also sit out every other step. A hit gone stale meanwhile costs a failed load (recompute), a miss one
-    block recomputed. A plan uses the answer up (``forget``): after a failed load, the
+    request would also sit out every other step. A hit gone stale meanwhile costs a
+    failed load (recompute), a miss one block recomputed. A plan uses the answer up (``forget``): after a failed load, the
     request's next lookup asks the tier again.
     """
 

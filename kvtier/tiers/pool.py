@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.redact import redact
-from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, gone, unavailable
+from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, gone, index_timings, unavailable
 
 logger = logging.getLogger("kvtier.pool")
 
@@ -331,8 +331,7 @@ def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> Exist
                           down)
 
     index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
-                           audit_s=spec.options.get("audit_s", 0.0), wait=lookups.wait_until,
-                           answer_s=spec.options.get("answer_s", 1.0))
+                           wait=lookups.wait_until, **index_timings(spec))
     index.lookups = lookups
     lookups.on_gone = lambda names: index.told_gone(_keys_of(names))
     gone = index.stats

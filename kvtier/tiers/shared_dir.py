@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvtier._native import stat_batch
 from kvtier.entry import HEADER_BYTES
-from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierSpec
+from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierSpec, index_timings
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 from kvtier.units import parse_bytes
 
@@ -64,8 +64,7 @@ def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[byte
     root = _directory_and_bound(spec.location)[0]
     fingerprints = [fp.hex() for fp in rank_fingerprints]
     return ExistenceIndex(spec.name, lambda keys: _WholeEntries(root, HEADER_BYTES + slot_bytes, fingerprints, keys),
-                          spec.timeout_s, max_pending=MAX_CHECKS, audit_s=spec.options.get("audit_s", 0.0),
-                          answer_s=spec.options.get("answer_s", 1.0))
+                          spec.timeout_s, max_pending=MAX_CHECKS, **index_timings(spec))
 
 
 class _WholeEntries:
