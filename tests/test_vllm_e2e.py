@@ -313,6 +313,40 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
         assert all(tokens >= least for tokens, least in zip(cached, full)), (name, cached, full)
 
 
+def test_a_qwen3_model_with_wide_heads_and_128_token_blocks_is_served_every_full_block(workdir):
+    """Another model than the suite's Llama: Qwen3's architecture (queries and keys RMS-normed), heads of
+    128 dimensions in a 256-wide model (head_dim is not hidden_size // num_heads), one KV head, blocks of
+    128 tokens and prefill in chunks of 256. An engine in vLLM's default layout stores the prompts; a new
+    one in the one-process layout is served every full block of each from disk, outputs equal to recompute."""
+    from kvtier.demo.model import make_model
+
+    block = 128
+    model = str(make_model(workdir / "model_qwen3", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1,
+                           architecture="qwen3", head_dim=128))
+    engine = {**ENGINE, "block_size": block, "max_model_len": 2048, "max_num_batched_tokens": 2 * block}
+    rng = random.Random(12)
+    shared = [rng.randrange(3, 2000) for _ in range(5 * block + 40)]
+    prompts = [shared, shared[:3 * block] + [rng.randrange(3, 2000) for _ in range(70)], shared[:block],
+               [rng.randrange(3, 2000) for _ in range(block - 1)], [rng.randrange(3, 2000) for _ in range(4 * block)]]
+    phase = {"prompts": prompts, "max_tokens": 8}
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "qwen3-disk"), "verify_loads": True}
+
+    def run(name, **spec):
+        result = apps.run_app(workdir, name, {"model": model, "engine": engine, "warmup": False, "phases": [phase],
+                                              **spec})
+        return result, [result["phases"][0]["outputs"][str(i)] for i in range(len(prompts))]
+
+    _, expected = run("qwen3-reference")
+    _, stored = run("qwen3-stored", connector="kvtier", extra=extra, layout="multiprocess")
+    served, outputs = run("qwen3-served", connector="kvtier", extra=extra)
+    assert [out["tokens"] for out in stored] == [out["tokens"] for out in expected]
+    assert [out["tokens"] for out in outputs] == [out["tokens"] for out in expected]
+    assert [out["cached"] for out in outputs] == [len(tokens) // block * block for tokens in prompts]
+    state = served["kvtier"]
+    assert state["verify_failures"] == 0 and state["stats"]["failed_load_blocks"] == 0
+    assert state["host_pins"] == 0 and state["tier_pins"] == 0 and state["pending_jobs"] == 0
+
+
 def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_frees_it(workdir):
     """A window shorter than max_model_len: vLLM frees a request's blocks as they leave it, mid-request, and
     hands them to other requests. kvtier stores each block in the step that computes it; a store that waited

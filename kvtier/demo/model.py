@@ -1,5 +1,5 @@
-"""Random-weight models, generated locally (nothing is downloaded): a Llama-architecture one, an
-MLA one (DeepSeek-V2 architecture), and LoRA adapters for the first."""
+"""Random-weight models, generated locally (nothing is downloaded): a Llama- or Qwen3-architecture
+one, an MLA one (DeepSeek-V2 architecture), and LoRA adapters for the first."""
 
 from __future__ import annotations
 
@@ -10,30 +10,38 @@ from pathlib import Path
 def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, num_heads: int = 4,
                num_kv_heads: int = 2, vocab_size: int = 2048, max_positions: int = 8192,
                initializer_range: float = 0.3, seed: int = 0, layer_types: list[str] | None = None,
-               sliding_window: int | None = None) -> Path:
+               sliding_window: int | None = None, architecture: str = "llama", head_dim: int | None = None) -> Path:
     """Write a model directory once; an existing one with the same settings is reused. ``layer_types``
     ("full_attention" or "sliding_attention" per layer) with ``sliding_window``: a model whose
-    sliding layers attend to that many tokens only."""
+    sliding layers attend to that many tokens only. ``architecture`` "qwen3": a Qwen3 one instead
+    (RMS-normed queries and keys, untied embeddings), whose ``head_dim`` may differ from
+    ``hidden_size // num_heads``, as Qwen3's do."""
+    if architecture not in ("llama", "qwen3"):
+        raise ValueError(f"architecture {architecture!r} is not llama or qwen3")
     path = Path(path)
     settings = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     vocab_size=vocab_size, max_positions=max_positions, initializer_range=initializer_range, seed=seed)
     if layer_types is not None:
         settings.update(layer_types=list(layer_types), sliding_window=sliding_window)
+    if architecture != "llama" or head_dim is not None:
+        settings.update(architecture=architecture, head_dim=head_dim)
     if _written(path, settings):
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_positions, initializer_range=initializer_range, torch_dtype="bfloat16",
-        bos_token_id=1, eos_token_id=2,
-    )
+    shape = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                 num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                 head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=max_positions,
+                 initializer_range=initializer_range, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    if architecture == "qwen3":
+        config = transformers.Qwen3Config(**shape, tie_word_embeddings=False)
+        return _write(path, transformers.Qwen3ForCausalLM(config).to(torch.bfloat16), settings)
+    config = transformers.LlamaConfig(**shape)
     if layer_types is not None:  # read by vLLM's Llama (and written to config.json with the rest)
         config.layer_types, config.sliding_window = list(layer_types), sliding_window
-    return _write(path, LlamaForCausalLM(config).to(torch.bfloat16), settings)
+    return _write(path, transformers.LlamaForCausalLM(config).to(torch.bfloat16), settings)
 
 
 def make_mla_model(path: str | Path, num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
