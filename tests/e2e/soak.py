@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -93,7 +94,7 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
             first = run_app(workdir, f"{tag}-first", {**kvtier, "phases": [
                 {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one]})
             second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one]})
-        except AssertionError as error:  # the run failed, or left a process behind
+        except (AssertionError, subprocess.TimeoutExpired) as error:  # failed, hung, or left a process behind
             return [f"run failed: {str(error)[-2000:]}"]
     problems = []
     for name, outputs in (("first engine", first["phases"][1]["outputs"]), ("new engine", second["phases"][0]["outputs"])):
@@ -130,7 +131,8 @@ def main(argv: list[str]) -> int:
         problems = check(config, workdir, tag)
         for problem in problems:
             print(f"  FAILED: {problem}", flush=True)
-        failed += [tag] * bool(problems)
+        if problems:
+            failed.append(tag)
     print(f"{args.count - len(failed)} of {args.count} configurations passed; runs in {workdir}")
     return 1 if failed else 0
 
