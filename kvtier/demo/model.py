@@ -18,6 +18,8 @@ def make_model(path: str | Path, num_layers: int = 4, hidden_size: int = 256, nu
     ``hidden_size // num_heads``, as Qwen3's do."""
     if architecture not in ("llama", "qwen3"):
         raise ValueError(f"architecture {architecture!r} is not llama or qwen3")
+    if architecture != "llama" and layer_types is not None:
+        raise ValueError("layer_types (sliding-window layers) are made for the llama architecture only")
     path = Path(path)
     settings = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     vocab_size=vocab_size, max_positions=max_positions, initializer_range=initializer_range, seed=seed)

@@ -313,8 +313,8 @@ class ExistenceIndex(TierIndex):
     block of the prefix still being written to the host pool): without this, each such
     step would send the tier a new check and get "ask again" while it runs, so the
     request would also sit out every other step. A hit gone stale meanwhile costs a
-    failed load (recompute), a miss one block recomputed. A plan uses the answer up (``forget``): after a failed load, the
-    request's next lookup asks the tier again.
+    failed load (recompute), a miss one block recomputed. A plan uses the answer up
+    (``forget``): after a failed load, the request's next lookup asks the tier again.
     """
 
     asks_the_tier = True

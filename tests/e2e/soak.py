@@ -97,7 +97,8 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
         except (AssertionError, subprocess.TimeoutExpired) as error:  # failed, hung, or left a process behind
             return [f"run failed: {str(error)[-2000:]}"]
     problems = []
-    for name, outputs in (("first engine", first["phases"][1]["outputs"]), ("new engine", second["phases"][0]["outputs"])):
+    for name, outputs in (("first engine", first["phases"][1]["outputs"]),
+                          ("new engine", second["phases"][0]["outputs"])):
         differ = [i for i in expected if outputs[i]["tokens"] != expected[i]["tokens"]]
         if differ:
             problems.append(f"{name}: prompts {differ} differ from the reference")
