@@ -38,12 +38,13 @@ from kvtier.demo.model import make_model
 from kvtier.servers import local_mooncake, local_redis
 from tests.e2e.apps import run_app
 
+RUN_FAILED = (AssertionError, subprocess.TimeoutExpired)  # run_app's: failed, hung, or left a process behind
 LEAKS = ("host_pins", "tier_pins", "pending_jobs", "pending_waves", "worker_jobs_in_flight", "transfers_in_flight",
          "open_send_waits", "tracked_requests", "verify_failures")
 
 
 def draw(rng: random.Random, workdir: Path) -> dict:
-    """One configuration: its model, engine, tier and extras, and its prompts."""
+    """One configuration: its model (where it goes, and its settings), engine, tier and extras, and its prompts."""
     architecture = rng.choice(["llama", "qwen3"])
     shape = rng.choice([dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1),
                         dict(num_layers=3, hidden_size=384, num_heads=6, num_kv_heads=3),
@@ -51,7 +52,6 @@ def draw(rng: random.Random, workdir: Path) -> dict:
                         dict(num_layers=2, hidden_size=512, num_heads=4, num_kv_heads=2)])
     head_dim = rng.choice([None, 128]) if architecture == "qwen3" else None
     name = "-".join(str(v) for v in (architecture, *shape.values(), head_dim or "d"))
-    model = str(make_model(workdir / f"model-{name}", architecture=architecture, head_dim=head_dim, **shape))
     block = rng.choice([32, 64, 128])
     length = rng.choice([2048, 2048, 4096])  # one in three with prompts of up to 3,400 tokens
     engine = {"block_size": block, "max_model_len": length, "max_num_seqs": rng.choice([2, 4, 8]),
@@ -66,7 +66,9 @@ def draw(rng: random.Random, workdir: Path) -> dict:
         prompts = [p[:engine["max_model_len"] - 40] for p in prompts]
     extra = {"host_bytes": rng.choice(["8MiB", "32MiB", "256MiB"]), "disk_dir": None, "verify_loads": True,
              "layerwise": rng.random() < 0.3, "store_partial_block": rng.random() < 0.3}
-    config = {"model": model, "engine": engine, "extra": extra, "prompts": prompts, "max_tokens": rng.choice([4, 20]),
+    config = {"model": str(workdir / f"model-{name}"),  # made when the configuration runs, from model_settings
+              "model_settings": dict(architecture=architecture, head_dim=head_dim, **shape),
+              "engine": engine, "extra": extra, "prompts": prompts, "max_tokens": rng.choice([4, 20]),
               "tier": rng.choice(["host", "disk", "file", "redis", "mooncake"]),
               "layout": rng.choice(["in_process", "multiprocess"])}
     splits = shape["num_heads"] % 2 == 0 and (shape["num_kv_heads"] % 2 == 0 or shape["num_kv_heads"] == 1)
@@ -102,7 +104,7 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if config["engine"].get("tensor_parallel_size", 1) > 1 else None
     try:
         reference = run_app(workdir, f"{tag}-reference", {**common, "phases": [one_by_one]}, env=env)
-    except (AssertionError, subprocess.TimeoutExpired) as error:  # a configuration vLLM itself refuses
+    except RUN_FAILED as error:  # a configuration vLLM itself refuses
         return [f"reference run failed: {str(error)[-2000:]}"]
     expected = reference["phases"][0]["outputs"]
     with tier_extra(config, workdir, tag) as extra:
@@ -112,7 +114,7 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
                 {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one]},
                             env=env)
             second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one]}, env=env)
-        except (AssertionError, subprocess.TimeoutExpired) as error:  # failed, hung, or left a process behind
+        except RUN_FAILED as error:
             return [f"run failed: {str(error)[-2000:]}"]
     problems = []
     for name, outputs in (("first engine", first["phases"][1]["outputs"]),
@@ -155,6 +157,7 @@ def main(argv: list[str]) -> int:
             config["engine"]["dtype"], tag = args.dtype, f"{tag}-{args.dtype}"
         print(f"{tag}: {config['tier']}, {config['layout']}, {Path(config['model']).name}, {len(config['prompts'])} "
               f"prompts, engine {config['engine']}, extra {config['extra']}", flush=True)
+        make_model(config["model"], **config["model_settings"])
         problems = check(config, workdir, tag)
         for problem in problems:
             print(f"  FAILED: {problem}", flush=True)
