@@ -190,3 +190,27 @@ def test_the_blocks_kvtier_takes_as_freed_are_those_vllms_sliding_window_frees(w
         assert first_read(n) == max(0, SlidingWindowManager.get_num_skipped_tokens(manager, tokens) // 32 - start)
         assert first_read(n) <= n
     assert EngineGeometry(NAMESPACE, 1, ["a"], 64, 32, 1, 1).first_read(start, num_full, num_tokens) is None
+
+
+def test_each_8_bit_kv_format_keys_blocks_of_its_own_and_fp8_is_e4m3(tmp_path):
+    """vLLM keeps fp8 e4m3 and e5m2 KV alike in uint8 tensors of one shape; the namespace that vLLM's
+    configuration gives (as the running connector's and ``kvtier doctor --model``'s) names the format.
+    Engine-free, so that it runs where vLLM's CPU attention keeps no 8-bit KV (x86 without AVX-512 or
+    AMX): the engine test of the same (``test_vllm_e2e``) needs one that does."""
+    from kvtier.config import KVTierConfig
+    from kvtier.demo.model import make_model
+    from kvtier.integrations.vllm.namespace import offline_namespace
+
+    model = str(make_model(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2))
+    config = KVTierConfig.from_sources({}, environ={})
+
+    def namespace(kv_cache_dtype):
+        return offline_namespace(model, {"dtype": "bfloat16", "max_model_len": 2048, "block_size": 32,
+                                         "kv_cache_dtype": kv_cache_dtype}, config)
+
+    formats = {name: namespace(name) for name in ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")}
+    assert {name: ns.kv_dtype for name, ns in formats.items()} == {
+        "auto": "torch.bfloat16", "fp8_e4m3": "torch.uint8:fp8_e4m3", "fp8_e5m2": "torch.uint8:fp8_e5m2",
+        "fp8": "torch.uint8:fp8_e4m3"}
+    assert formats["fp8"] == formats["fp8_e4m3"]
+    assert len({formats[name] for name in ("auto", "fp8_e4m3", "fp8_e5m2")}) == 3
