@@ -2,8 +2,8 @@
 
 ``python -m tests.e2e.soak --seed 1 --count 10``: each configuration draws a model
 (Llama or Qwen3 architecture, its shape; in three Llama models of ten, sliding-window
-layers, all of them or every other one, with a window of a few blocks or of the
-model length), a block size, a dtype, a tier (host pool only,
+layers, all of them or every other one, with a window of a few blocks, of 300 tokens
+or of the model length), a block size, a dtype, a tier (host pool only,
 disk, shared directory, Redis, Mooncake; the servers started on loopback), vLLM's
 layout, the host pool's size, vLLM's cache size, chunked prefill, its prefix cache,
 ``layerwise`` and ``store_partial_block``, tensor parallelism (2 ranks, one in four
