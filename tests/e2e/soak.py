@@ -75,11 +75,10 @@ def draw(rng: random.Random, windows: random.Random, workdir: Path) -> dict:
               "tier": rng.choice(["host", "disk", "file", "redis", "mooncake"]),
               "layout": rng.choice(["in_process", "multiprocess"])}
     if architecture == "llama" and windows.random() < 0.3:  # a generator of its own: a seed draws the rest as before
-        layers = shape["num_layers"]
         kind = windows.choice(["mixed", "sliding"])
         config["model_settings"].update(
             layer_types=["sliding_attention" if kind == "sliding" or i % 2 == 0 else "full_attention"
-                         for i in range(layers)],
+                         for i in range(shape["num_layers"])],
             sliding_window=windows.choice([2 * block + 5, 300, engine["max_model_len"]]))
         config["model"] += f"-{kind}{config['model_settings']['sliding_window']}"
         if kind == "mixed":  # 80 blocks held 1,248 of 2,048 tokens for one in vLLM's run with no connector
