@@ -16,11 +16,11 @@ reference), then an engine with kvtier runs them all at once with random aborts 
 one by one, then a new engine runs them one by one (each followed by its next turn, where
 drawn). Checked: every one-by-one run gives the reference's tokens; where the tier
 outlives its process (all but the host pool), the new engine is served every full block
-of each prompt and next turn, all but the one token vLLM computes of any prompt; loads verified (``verify_loads``); no
-pin, job or copy left (read where the workers are in the scheduler's process: the
-one-process layout, one rank), no process left behind. With 2 ranks the reference runs
-with 2 ranks too: their sums round otherwise than one rank's. Not in ``make test``: a
-developer's check of the general case, whose figures depend on the draw.
+of each prompt and next turn; loads verified (``verify_loads``); no pin, job or copy left
+(read where the workers are in the scheduler's process: the one-process layout, one
+rank), no process left behind. With 2 ranks the reference runs with 2 ranks too: their
+sums round otherwise than one rank's. Not in ``make test``: a developer's check of the
+general case, whose figures depend on the draw.
 
 Tokens are compared exactly. A prefix's KV computed in other chunks than the reference's
 differs in its last bits, more in bfloat16 than in float32; the generated models' peaked
@@ -165,12 +165,12 @@ def check(config: dict, workdir: Path, tag: str) -> list[str]:
                         if new != tokens["reference"][i] and new == tokens["first engine"][i]]
             print(f"  blocks kvtier loaded in the first engine's one-by-one run{which}: {loaded}; prompts whose new "
                   f"engine's tokens differ from the reference's as the first engine's do: {as_first}", flush=True)
-        # Every block whose KV was computed before, but for the one token vLLM computes whatever it holds.
+        # Every full block: the first engine computed each (a next turn's too, in its own next turn) and stored it.
         asked = [len(p) for p in prompts] if n == 0 else \
             [len(p) + len(reference["phases"][0]["outputs"][str(i)]["tokens"]) + len(config["next_turn"])
              for i, p in enumerate(prompts)]
         cached = [new_phase["outputs"][str(i)]["cached"] for i in range(len(prompts))]
-        full = [(length - 1) // block * block for length in asked]
+        full = [length // block * block for length in asked]
         print(f"  new engine's cached tokens{which} {cached} of full blocks' {full}", flush=True)
         if config["tier"] != "host" and any(c < f for c, f in zip(cached, full)):
             problems.append(f"new engine served fewer than every full block{which}: {cached} < {full}")
