@@ -592,3 +592,38 @@ def test_prompts_larger_than_the_host_pool_are_stored_and_loaded_whole(workdir, 
     assert state["host_slots"] == 16 and state["host_pins"] == 0 and state["pending_jobs"] == 0
     assert state["pending_waves"] == 0 and state["finishing_requests"] == 0 and state["engine_requests"] == 0
     assert first["kvtier"]["stats"]["skipped_store_blocks"] == 0
+
+
+def test_parallel_samples_of_a_prompt_each_get_its_blocks_and_agree(workdir, model):
+    """vLLM's parallel sampling (``n``) runs each of a prompt's samples as a request of its own: they ask
+    for the same blocks in the same step, and store the same ones. Three samples (greedy each) of each of
+    three prompts sharing a prefix. The first process (one process) runs them at once with random aborts,
+    then one by one, loading from its host pool; a new process (vLLM's default layout) runs them one by
+    one, each sample served every full block of its prompt from the disk. Every sample equals the
+    no-connector run's, loads verified, and nothing is left pinned, in flight or tracked."""
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 2000) for _ in range(500)]
+    prompts = [shared + [rng.randrange(3, 2000) for _ in range(n)] for n in (230, 75, 9)]
+    phase = {"prompts": prompts, "samples": 3, "max_tokens": 12}
+    expected = run_app(workdir, "samples-reference", {"model": model, "warmup": False,
+                                                      "phases": [phase]})["phases"][0]["outputs"]
+    assert all(len(expected[str(i)]["samples"]) == 3 for i in range(len(prompts)))
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "samples"), "verify_loads": True}
+    spec = {"model": model, "connector": "kvtier", "extra": extra, "warmup": False}
+    first = run_app(workdir, "samples-first", {**spec, "layout": "in_process", "phases": [
+        {**phase, "mode": "concurrent", "abort_probability": 0.1, "seed": 3}, phase]})
+    second = run_app(workdir, "samples-second", {**spec, "layout": "multiprocess", "phases": [phase]})
+    # The draw aborted prompt 0's samples and let the others finish in each run here; which it aborts may
+    # change with when the stores end (a later prompt's samples may load what an earlier one stored).
+    at_once = first["phases"][0]
+    for name, outputs in (("at once", at_once["outputs"]), ("one by one", first["phases"][1]["outputs"]),
+                          ("new process", second["phases"][0]["outputs"])):
+        for i in outputs:
+            assert outputs[i]["samples"] == expected[i]["samples"], (name, i)
+    assert len(first["phases"][1]["outputs"]) == len(second["phases"][0]["outputs"]) == len(prompts)
+    assert first["phases"][1]["kvtier_delta"]["loaded_blocks"] > 0
+    served = [second["phases"][0]["outputs"][str(i)]["cached"] for i in range(len(prompts))]
+    assert served == [len(prompt) // BLOCK * BLOCK for prompt in prompts]
+    state = first["kvtier"]
+    assert state["verify_failures"] == 0 and state["host_pins"] == 0 and state["pending_jobs"] == 0
+    assert state["tracked_requests"] == 0 and state["worker_jobs_in_flight"] == 0 and state["engine_requests"] == 0

@@ -15,7 +15,8 @@ and ``append`` (a conversation's next turn); after phase i, ``OUT.json.phase<i>.
 is created. ``"layout": "multiprocess"`` runs vLLM's engine core in a process of its own
 (vLLM's default; kvtier's state cannot be read then); the default is vLLM's one-process
 layout (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM runs one GPU). A phase with
-``"prompt_logprobs": k`` asks for each prompt token's logprob; a sequential phase's
+``"prompt_logprobs": k`` asks for each prompt token's logprob, ``"samples": n`` for n
+samples of each prompt (vLLM's parallel sampling, greedy each); a sequential phase's
 ``"lora": [name, id, path]`` runs its requests with that adapter (``make_llm``'s
 ``max_lora_rank`` set in ``engine``); a phase with
 ``"drain": false`` is not followed by extra engine steps; ``"kv_transfer_params"`` goes
@@ -39,6 +40,8 @@ def _output_record(out) -> dict:
     logprobs = completion.logprobs
     return {
         "tokens": list(completion.token_ids),
+        # Each of a phase's ``samples``, where it asked for more than one.
+        "samples": [list(sample.token_ids) for sample in out.outputs] if len(out.outputs) > 1 else None,
         "cached": out.num_cached_tokens,
         "first_logprob": next(iter(logprobs[0].values())).logprob if logprobs else None,
         # Each prompt token's logprob, where the phase asked for them: null for the first token (vLLM
@@ -166,7 +169,8 @@ def main(spec_path: str, out_path: str) -> None:
     for index, phase in enumerate(spec["phases"]):
         if phase.get("wait_for"):  # another process (a test) prepares something between phases
             _wait_for_file(phase["wait_for"])
-        params = _sampling(SamplingParams, phase.get("max_tokens", 6), phase.get("prompt_logprobs"))
+        params = _sampling(SamplingParams, phase.get("max_tokens", 6), phase.get("prompt_logprobs"),
+                           phase.get("samples", 1))
         if phase.get("kv_transfer_params"):  # what a prefill instance's answer carries, as the proxy hands it on
             params.extra_args = {"kv_transfer_params": phase["kv_transfer_params"]}
         if phase.get("follow_up"):
@@ -206,10 +210,16 @@ def main(spec_path: str, out_path: str) -> None:
     json.dump(result, open(out_path, "w"))
 
 
-def _sampling(sampling_params, max_tokens: int, prompt_logprobs: int | None = None):
+def _sampling(sampling_params, max_tokens: int, prompt_logprobs: int | None = None, samples: int = 1):
     """Greedy, every token kept, with the first token's logprob (tests compare them). With
     ``prompt_logprobs`` vLLM reads no cached KV for the request (at construction it sets
-    ``skip_reading_prefix_cache``)."""
+    ``skip_reading_prefix_cache``). ``samples`` > 1: vLLM's parallel sampling (``n``), each sample
+    greedy all the same (vLLM takes no ``n`` at temperature 0: top-k 1 keeps the likeliest token),
+    answered once every sample has ended (so a phase's time to first token is its time to the last)."""
+    if samples > 1:
+        from vllm.sampling_params import RequestOutputKind
+        return sampling_params(n=samples, max_tokens=max_tokens, temperature=1.0, top_k=1, ignore_eos=True,
+                               logprobs=1, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
     return sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1,
                            prompt_logprobs=prompt_logprobs)
 
