@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 from kvtier.bench.report import print_table
 
@@ -44,6 +45,8 @@ def _bench_transfer_cuda(args) -> dict:
         task = progress.add_task("bench transfer --device cuda", total=2 * args.repeats)
         result = transfer_cuda.run(gib=args.gib if args.gib is not None else 4.0, repeats=args.repeats,
                                    progress=lambda: progress.advance(task))
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as disk_dir:
+        result.update(transfer_cuda.disk_hit(disk_dir, repeats=args.repeats))
     if not args.json:
         rows = []
         for case in ("scattered", "contiguous"):
@@ -57,7 +60,13 @@ def _bench_transfer_cuda(args) -> dict:
                  ("round trip byte-exact", str(result["exact"])),
                  ("store submit, host us (median / p99)", f"{result['store_submit_us_median']:.0f} / "
                                                           f"{result['store_submit_us_p99']:.0f}"),
-                 ("compute stream slowdown with a store a step", f"{100 * result['compute_slowdown']:.1f}%")]
+                 ("compute stream slowdown with a store a step", f"{100 * result['compute_slowdown']:.1f}%"),
+                 (f"disk hit of {result['disk_hit_bytes'] >> 20} MiB, ms (vs page-cache read + plain copy)",
+                  f"{result['disk_hit_ms']:.1f} ({result['disk_hit_vs_read_plus_copy']:.2f}x)"),
+                 ("its copy into the device: host hit ms (vs plain copy_ of the pinned bytes)",
+                  f"{result['host_hit_ms']:.2f} ({result['host_hit_vs_plain_copy']:.2f}x)"),
+                 ("page-cache read / plain copy_ ms", f"{result['page_cache_read_ms']:.1f} / {result['plain_h2d_ms']:.2f}"),
+                 ("disk hit byte-exact", str(result["disk_hit_exact"]))]
         print_table(f"kvtier bench transfer --device cuda ({result['bytes'] / 2**30:.2f} GiB, {result['blocks']} "
                      f"blocks of {result['slot_bytes'] >> 20} MiB, {result['device']}, {result['mover']})", rows)
     return result

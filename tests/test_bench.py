@@ -4,6 +4,7 @@ they promise. Speed is reported by them, never asserted here."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,30 @@ def test_bench_transfer_reports_every_promised_key(tmp_path):
     for key in ("offload_gbps", "load_gbps", "memcpy_gbps", "disk_write_gbps", "disk_read_gbps",
                 "file_write_gbps", "file_read_gbps", "hash_tokens_per_s"):
         assert result[key] > 0, key
+
+
+def test_the_disk_hit_bench_loads_exact_bytes_from_disk_then_host_and_reports_its_peers(tmp_path):
+    """``bench transfer --device cuda``'s disk hit, run on the CPU: the same steps (store, push
+    out of the host pool, a disk hit, a host hit), each load checked byte for byte."""
+    from kvtier.bench import transfer_cuda
+
+    result = transfer_cuda.disk_hit(str(tmp_path), num_moved=8, num_layers=3, repeats=2, device="cpu")
+    assert result["disk_hit_exact"] and result["disk_hit_blocks"] == 8
+    for key in ("disk_hit_ms", "host_hit_ms", "plain_h2d_ms", "page_cache_read_ms", "host_hit_vs_plain_copy",
+                "disk_hit_vs_read_plus_copy"):
+        assert result[key] > 0, key
+
+
+def test_the_gpu_check_says_no_gpu_and_exits_3_where_there_is_none(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/gpu_check.sh runs its checks instead")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    out = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "no CUDA GPU here" in out.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == {"gpu": False}
 
 
 def test_bench_layerwise_moves_exact_bytes_and_reports_the_overlap():

@@ -322,12 +322,24 @@ def test_a_load_does_not_overwrite_blocks_that_queued_compute_still_reads():
     engine.close()
 
 
-def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir):
+def mla_tensors(num_layers=4, num_blocks=NB, block_size=BS, latent=576):
+    """vLLM CUDA MLA layout: per layer [num_blocks, block_size, kv_lora_rank + rope dim]."""
+    tensors = [torch.empty(num_blocks, block_size, latent, device="cuda", dtype=torch.bfloat16)
+               for _ in range(num_layers)]
+    for t in tensors:
+        t.view(torch.int16).random_()
+    return tensors
+
+
+@pytest.mark.parametrize("layout", ["flash", "mla"])
+def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir, layout):
     """TierWorker on CUDA: layer-wise stores after each layer's write, then layer-wise
     loads whose layers the compute stream waits for (no host wait)."""
     from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
 
-    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    make = flash_tensors if layout == "flash" else mla_tensors
+    tensors = make(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    blocks = (lambda t, ids: t[:, ids]) if layout == "flash" else (lambda t, ids: t[ids])
     engine = Engine(tensors, disk_dir, host_blocks=32, layerwise=True)
     worker = engine.worker
     block_ids = list(range(10, 26))
@@ -356,10 +368,10 @@ def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir):
     seen = []
     for layer in range(len(tensors)):
         assert worker.wait_for_layer([load.job_id], layer)
-        seen.append(tensors[layer][:, targets].clone())  # this layer's attention reads its blocks
+        seen.append(blocks(tensors[layer], targets).clone())  # this layer's attention reads its blocks
     torch.cuda.synchronize()
     for s, f in zip(seen, final):
-        assert torch.equal(s.view(torch.int16), f[:, block_ids].view(torch.int16))
+        assert torch.equal(s.view(torch.int16), blocks(f, block_ids).view(torch.int16))
     reports = []
     while not reports:
         reports = worker.poll()
@@ -369,6 +381,27 @@ def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir):
 
 
 # --- the I/O process beside a CUDA worker -------------------------------------------------
+def test_a_copy_submitted_while_the_progress_thread_idles_is_reported_without_its_idle_wait(disk_dir, monkeypatch):
+    """A CUDA copy's end is seen only by asking its event: the engine's step (``poll``) asks, so a
+    store or a host hit submitted while the worker's progress thread sleeps out its idle wait is
+    reported at a step after its copy, not after that wait (a host hit took a multiple of its copy
+    time on an H200)."""
+    from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
+
+    monkeypatch.setattr("kvtier.worker.tier_worker.IDLE_WAIT_S", 600.0)  # nothing else would wake it
+    tensors = flash_tensors(num_blocks=ENGINE_NB, block_size=ENGINE_BS)
+    engine = Engine(tensors, disk_dir, host_blocks=16)
+    expected = [block_bytes(tensors, b) for b in (1, 2, 3, 4)]
+    began = time.monotonic()
+    engine.store(keys_of(range(4)), [1, 2, 3, 4])  # Engine.run fails past 30 s
+    job, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])
+    assert time.monotonic() - began < 30 and report.success and len(job.ready_block_ids) == 4  # host hits
+    torch.cuda.synchronize()
+    assert all(torch.equal(block_bytes(tensors, 20 + i), expected[i]) for i in range(4))
+    engine.close()
+
+
+
 def test_the_host_pool_is_shared_memory_pinned_for_dma_and_a_store_reaches_disk_with_no_poll(disk_dir):
     """The worker's host pool is the memfd its I/O process maps, registered with CUDA; a store's
     device copy is found finished by kvtier's own thread and written with no engine step."""
@@ -396,6 +429,8 @@ def test_the_io_process_killed_mid_load_on_cuda_gives_a_recompute_and_the_next_l
     engine = Engine(tensors, disk_dir, host_blocks=4)
     expected = [block_bytes(tensors, b) for b in (1, 2, 3, 4)]
     kill_the_io_process_mid_load(engine)
+    lanes = engine.worker.transfers._copier.lane_pool
+    assert lanes.idle() == lanes.made()  # every stream, event and staging buffer of the failed load is back
     for t in tensors:
         t[:, 20:24].zero_()
     _, report = engine.load(keys_of(range(4)), [20, 21, 22, 23])  # through the new process's mapping

@@ -188,3 +188,115 @@ def _step_cost(engine, tensors, num_blocks: int, step_blocks: int = 32, steps: i
         "compute_seconds_with_stores": statistics.median(with_stores),
         "compute_slowdown": statistics.median(with_stores) / statistics.median(alone) - 1,
     }
+
+
+def disk_hit(disk_dir: str, num_moved: int = 256, num_layers: int = 32, block_size: int = 16, kv_heads: int = 8,
+             head_size: int = 128, repeats: int = 5, device: str = "cuda") -> dict:
+    """A disk hit through kvtier's whole load path, against what its bytes cost alone, in one run.
+
+    ``num_moved`` blocks are stored through ``TierWorker`` and ``TierManager`` (device -> the
+    registered host pool -> the I/O process -> disk), then pushed out of the host pool by as
+    many other blocks, and loaded into other device blocks: disk -> host slots (the I/O
+    process) -> device, timed from submit to the report. Loaded again at once, the same
+    blocks are host hits: the copy into the device alone. The peers, timed the same way in
+    the same run: one plain ``copy_`` of the same bytes from CUDA's pinned memory into device
+    memory, and a read of the same bytes from a file in the page cache into pinned memory.
+    Every load is compared byte for byte with what was stored. ``device="cpu"`` runs the
+    same steps without a GPU (the test suite's check of this function).
+    """
+    from kvtier.config import KVTierConfig
+    from kvtier.entry import HEADER_BYTES
+    from kvtier.keys import Namespace
+    from kvtier.manager import TierManager
+    from kvtier.worker import TierWorker
+
+    num_blocks = 3 * num_moved  # the stored set, the set that pushes it out of the host pool, the load's targets
+    tensors = [torch.empty((2, num_blocks, block_size, kv_heads, head_size), dtype=torch.bfloat16, device=device)
+               for _ in range(num_layers)]
+    for tensor in tensors:
+        tensor.view(torch.int16).random_()
+    on_cuda = tensors[0].is_cuda
+    synchronize = torch.cuda.synchronize if on_cuda else (lambda: None)
+    slot_bytes = sum(t[:, 0].nbytes for t in tensors)
+    namespace = Namespace("bench-disk-hit", "bfloat16", "kv_first", (2, block_size, kv_heads * head_size),
+                          num_layers, block_size)
+    config = KVTierConfig.from_sources({"host_bytes": num_moved * slot_bytes, "disk_dir": disk_dir,
+                                        "disk_bytes": 4 * num_moved * (slot_bytes + HEADER_BYTES)}, environ={})
+    worker = TierWorker(config, tensors, num_blocks, block_size, namespace)
+    manager = TierManager(config, worker.layout.slot_bytes, [worker.rank_fingerprint])
+
+    def run_job(job, submit) -> float:
+        began = time.perf_counter()
+        submit(job)
+        reports: list = []
+        while not reports:
+            if time.perf_counter() - began > 120:
+                raise TimeoutError("a job of bench disk_hit did not finish")
+            reports = worker.poll()
+            manager.on_released(worker.released_slots())
+        seconds = time.perf_counter() - began
+        manager.on_reports(reports)
+        if not all(r.success for r in reports):
+            raise RuntimeError(f"a job of bench disk_hit failed: {reports}")
+        return seconds
+
+    def planned_load(source: str):
+        job = manager.plan_load("bench", keys(0), targets)
+        found = len(job.fill_block_ids) if source == "disk" else len(job.ready_block_ids)
+        if not job.final or job.missing_block_ids or found != num_moved:
+            raise RuntimeError(f"bench disk_hit: a load planned {found} of {num_moved} blocks from {source}")
+        return job
+
+    def keys(first: int) -> list[bytes]:
+        return [(first + i).to_bytes(16, "little") for i in range(num_moved)]
+
+    stored, pushing, targets = (list(range(k * num_moved, (k + 1) * num_moved)) for k in range(3))
+    expected = [t[:, stored].clone() for t in tensors]
+    samples: dict[str, list[float]] = {"disk_hit": [], "host_hit": [], "plain_h2d": [], "file_read": []}
+    moved_bytes = num_moved * slot_bytes
+    pinned = allocate_host_buffer(1, moved_bytes, pin=on_cuda).view(-1)
+    plain_device = torch.empty(moved_bytes, dtype=torch.uint8, device=device)
+    file_path = f"{disk_dir}/peer-read.bin"
+    with open(file_path, "wb") as f:
+        f.write(pinned.numpy().tobytes())  # the peer's file: the same number of bytes, in the page cache
+    exact = True
+    try:
+        run_job(manager.plan_store("bench", keys(0), stored), worker.submit_store)  # written through to disk
+        for round_ in range(repeats + 1):  # round 0 warms every path and is not counted
+            run_job(manager.plan_store("bench", keys(num_moved), pushing), worker.submit_store)
+            if manager.host.lookup(keys(0)[:1]) != 0:
+                raise RuntimeError("bench disk_hit: the stored blocks are still in the host pool")
+            for t in tensors:
+                t[:, targets].zero_()
+            synchronize()
+            disk = run_job(planned_load("disk"), worker.submit_load)
+            synchronize()
+            exact &= all(torch.equal(t[:, targets].view(torch.int16), e.view(torch.int16))
+                         for t, e in zip(tensors, expected))
+            host = run_job(planned_load("host"), worker.submit_load)
+            synchronize()
+            began = time.perf_counter()
+            plain_device.copy_(pinned, non_blocking=on_cuda)
+            synchronize()
+            plain = time.perf_counter() - began
+            began = time.perf_counter()
+            with open(file_path, "rb", buffering=0) as f:
+                view = memoryview(pinned.numpy())
+                done = 0
+                while done < moved_bytes:
+                    done += f.readinto(view[done:])
+            read = time.perf_counter() - began
+            if round_:
+                for name, value in zip(samples, (disk, host, plain, read)):
+                    samples[name].append(value)
+    finally:
+        worker.close()
+        manager.close()
+    median = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "disk_hit_bytes": moved_bytes, "disk_hit_blocks": num_moved, "disk_hit_exact": exact,
+        "disk_hit_ms": median["disk_hit"] * 1e3, "host_hit_ms": median["host_hit"] * 1e3,
+        "plain_h2d_ms": median["plain_h2d"] * 1e3, "page_cache_read_ms": median["file_read"] * 1e3,
+        "host_hit_vs_plain_copy": median["host_hit"] / median["plain_h2d"],
+        "disk_hit_vs_read_plus_copy": median["disk_hit"] / (median["file_read"] + median["plain_h2d"]),
+    }

@@ -37,6 +37,12 @@ from kvtier.worker.stores import StorePath
 
 logger = logging.getLogger("kvtier.worker")
 
+# The progress thread's waits. CUDA copies in flight are polled (their events tell no thread);
+# with nothing in flight it sleeps longer, and a completion wakes it. (The engine's step polls
+# CUDA copies too: ``poll``.)
+CUDA_POLL_S = 0.001
+IDLE_WAIT_S = 0.05
+
 
 def tensor_info(tensor: torch.Tensor) -> TensorInfo:
     return TensorInfo(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), tensor.data_ptr())
@@ -149,6 +155,12 @@ class TierWorker:
         """Jobs finished since the last call, each exactly once."""
         if self.io is not None:
             self.io.pump()  # answers that arrived since the last step, taken (and copied) on this thread
+        if self.device_is_cuda and self.transfers.num_in_flight:
+            # A CUDA copy's end is seen only by asking its event: each step asks, on this thread, as
+            # vLLM's own offloading does in get_finished. Left to the progress thread, a copy submitted
+            # while it sleeps out IDLE_WAIT_S waits for that, and waking it at each submit makes it
+            # contend for the GIL with this thread while the copies run.
+            self._advance()
         finished = self.book.take_finished()
         return finished + (self.replicated.poll() if self.replicated is not None else [])
 
@@ -184,7 +196,7 @@ class TierWorker:
     def _run_progress(self) -> None:
         while not self._closed:
             # CUDA completions are found by polling events; CPU copies wake this thread themselves.
-            self._wake.wait(0.001 if self.device_is_cuda and self.transfers.num_in_flight else 0.05)
+            self._wake.wait(CUDA_POLL_S if self.device_is_cuda and self.transfers.num_in_flight else IDLE_WAIT_S)
             self._wake.clear()
             try:
                 self._advance()
