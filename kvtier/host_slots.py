@@ -4,8 +4,8 @@ A slot holds one block's bytes. A slot may have a head: ``head_bytes`` (an entry
 ``kvtier.entry.HEADER_BYTES``) right before its bytes, where a store writes and checks the
 header of the entry the slot holds. An entry (header, then block) is then one run of
 memory, which a storage pool moves in one piece: a Mooncake value put from or got into
-two buffers took about 1.1 ms longer per 16 MiB than from one here (medians of 72 batches
-of 16 blocks of 1 MiB, put and get alike).
+two buffers costs a second transfer descriptor per entry (``kvtier bench pool`` shows the
+gap to the raw client, which puts one buffer).
 
 The CPU worker's slots have heads. The CUDA worker's do not: runs of adjacent slots there
 move in one DMA copy each, which a head between slots would split; its stores keep the

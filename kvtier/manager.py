@@ -79,8 +79,8 @@ class TierManager:
     def wait_for_lookups(self, timeout_s: float) -> None:
         """An engine step that computes nothing: wait, at most ``timeout_s``, for the tiers' answers
         that lookups wait for ("ask again"). Else the engine steps again at once, a busy loop on a core
-        that the tier's answer needs (traced in vLLM's one-process layout: a Mooncake check of 46 blocks
-        took 0.4 to 8.9 ms under the loop). Not while a load is pending: the workers wait for that one
+        that the tier's answer needs (in vLLM's one-process layout the loop holds the GIL that the
+        answer's thread needs). Not while a load is pending: the workers wait for that one
         (``TierWorker.wait_for_a_load``), and a new request waits for one of the two at most."""
         if not self.completions.loads_pending:
             self.lookups.wait_for_answers(timeout_s)

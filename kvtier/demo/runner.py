@@ -158,8 +158,8 @@ def main(spec_path: str, out_path: str) -> None:
     engine = llm.llm_engine
     if spec.get("warmup", True):
         # First uses are slow: the first forward, the first over a cached prefix (another
-        # attention path), the first over a context of a new length (4 to 9 ms more, seen over
-        # 3,000 tokens) and the first sampling with logprobs (about 2 s here). The same prompt
+        # attention path), the first over a context of a new length and the first sampling
+        # with logprobs. The same prompt
         # twice, as long as ``warmup_tokens`` and sampled as the phases sample, keeps them out of
         # every measurement.
         warmup = random.Random(12345)

@@ -2,12 +2,9 @@
 under it. Torch-free.
 
 Copies into and out of the pool (the store clients', the disk's, the device copies') miss
-the TLB far less on 2 MiB pages than on 4 KiB ones. A kvtier get of 16 x 1 MiB from
-Mooncake into 4 KiB-paged shared memory took 0.75 and 1.26 ms longer than the raw
-client's into a numpy array (which the kernel places on huge pages; medians of 192
-batches taking turns, two runs), and 0.00 and 0.33 ms longer once the pool was on huge
-pages (and the I/O process ran each job on the thread that received it, which saves at
-most the 0.11 to 0.15 ms of a hand-over), its round trip to the I/O process included.
+the TLB far less on 2 MiB pages than on 4 KiB ones: on 4 KiB pages a kvtier get from
+Mooncake falls behind the raw client's into a numpy array (which the kernel places on
+huge pages), and on huge pages it keeps up (``kvtier bench pool``).
 Shared memory gets huge pages on its first touch only where
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; under the kernel's
 default, ``never``, it does not. ``MADV_COLLAPSE`` (Linux 6.1) makes them
@@ -106,8 +103,7 @@ def map_for_writing(fd: int, num_bytes: int) -> ctypes.Array:
     a store read writes into the pool at the speed of memory. A page of a shared mapping is
     otherwise mapped on its first touch, and mapped read-only where that touch is a read (as
     MAP_POPULATE's are): its first write faults again. Either fault costs a fresh process one
-    per 4 KiB of each slot it first loads into: plain reads of 15 MiB of page-cached entries
-    into slots mapped by MAP_POPULATE took 3.0 ms here, 2.2 ms once mapped so."""
+    per 4 KiB of each slot it first loads into, on the way of a request's first load."""
     buffer = map_shared(fd, num_bytes)
     address, length = ctypes.addressof(buffer), _round_up(num_bytes, mmap.PAGESIZE)
     _advise(address, length, _MADV_HUGEPAGE)

@@ -53,8 +53,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters
 class _Lanes:
     """One tier's threads and the jobs that wait for one of them. Reads go before writes: a read has a
     request waiting for it (its time to first token), a write-through nobody, so a load never queues
-    behind the writes already there (traced in vLLM: a Mooncake load sent just after a prompt's 15 MiB
-    of write-throughs started 30 ms later, when all of them were done). Jobs of one kind run in the
+    behind the writes already there (a load sent just after a prompt's write-throughs would otherwise
+    start only when all of them are done). Jobs of one kind run in the
     order they came. Threads per tier: a slow storage pool never queues a disk read behind it."""
 
     READ, WRITE = 0, 1
@@ -69,8 +69,8 @@ class _Server:
     """Every thread both receives and runs jobs, one receiving at a time (leader and followers): a thread
     with nothing waiting in its tier's lane takes the socket while no other thread has it, and runs a job
     it receives for its own tier itself, the next idle thread taking the socket meanwhile. A job reaches
-    the thread that runs it with no hand-over: a hand-over (a queue between a receiving thread and a
-    tier's) took 0.11 to 0.15 ms of each 16 MiB job's round trip here (medians of traced runs). A job
+    the thread that runs it with no hand-over (a queue between a receiving thread and a tier's adds a
+    thread wake-up to every job's round trip). A job
     for another tier waits in that tier's lane. While every tier's thread is busy the main thread
     receives, and only queues: a read that arrives then still goes before the writes waiting in its lane."""
 

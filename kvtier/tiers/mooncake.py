@@ -10,8 +10,8 @@ entries move with the batch calls that write from and read into them. An entry i
 one object, its header then its block, put from and got into memory where it lies:
 one buffer where the header lies right before its block (a slot's head,
 ``kvtier.host_slots``: ``batch_put_from`` / ``batch_get_into``), else two
-(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, about 1.1 ms
-slower per 16 MiB here). One call per batch each way, as a raw client's. A put is whole or absent (Mooncake
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, a second transfer per
+entry). One call per batch each way, as a raw client's. A put is whole or absent (Mooncake
 publishes an object once all of it is written), so an entry needs no second object
 to say that it is complete; a reader checks its header and checksum.
 
@@ -32,10 +32,10 @@ from kvtier.units import parse_bytes
 
 _OBJECT_NOT_FOUND = -704  # a batch get's code for a key the store does not hold (Mooncake's ErrorCode)
 
-# A batch call costs about 1 ms besides its bytes (its round trips to the master), and the thread that
-# makes it polls for its end, holding a core meanwhile: in vLLM, a 92 MiB load took 150 to 210 ms in
-# 4 MiB jobs, two at a time, and 66 to 122 ms in 32 MiB ones. Jobs this large still let a long load's
-# device copies start while its later jobs are read.
+# A batch call has a fixed cost besides its bytes (its round trips to the master), and the thread that
+# makes it polls for its end, holding a core meanwhile: fewer, larger calls load a long prompt sooner
+# (``kvtier bench tiers --large --tiers mooncake``). Jobs this large still let a long load's device
+# copies start while its later jobs are read.
 JOB_BYTES = 32 << 20
 
 

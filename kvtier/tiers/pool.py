@@ -170,8 +170,9 @@ class GuardedClient:
             return lease
 
     def connect(self) -> None:
-        """Connect now rather than in the first call: a Mooncake client's setup took 80 to 90 ms here,
-        which the first job of a new process waited for. A failure marks the pool down, as a call's would."""
+        """Connect now rather than in the first call: a client's setup (Mooncake's registers its
+        segments) would otherwise delay a new process's first job. A failure marks the pool down, as a
+        call's would."""
         lease = self._try_acquire()
         if lease is not None:
             self._release(lease)
@@ -315,8 +316,8 @@ def close_quietly(client: PoolClient) -> None:
 def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
     """The index asks the pool through a store in a lookup process of its own (``kvtier.io``):
     a client on a thread of the scheduler's process needs the GIL after every call into the
-    network, and an engine's busy loop holds it (traced in vLLM's one-process layout: 6 to 18 ms
-    of each hit passed before the check was answered). The store's client there is guarded as
+    network, and an engine's busy loop holds it (in vLLM's one-process layout the check's answer
+    would wait for the loop's GIL switch interval, call after call). The store's client there is guarded as
     every pool client is: down or past ``timeout_s``, a check is a miss."""
     from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
 
@@ -494,8 +495,8 @@ class Spans(list):
 
 class _Rows:
     """The rows of a 2-D uint8 array (rows may lie apart), a batch of them at a time as ``Spans``,
-    found by arithmetic: no numpy view or ctypes object per row (a 16-block put's Python in the store
-    took 22 us here against 44 us with them, timed in a loop with a client that does nothing)."""
+    found by arithmetic: no numpy view or ctypes object per row, whose making would be most of a
+    batch's Python time in the store."""
 
     def __init__(self, rows: np.ndarray):
         self.address, self.pitch, self.width, self.count = rows.ctypes.data, rows.strides[0], rows.shape[1], len(rows)

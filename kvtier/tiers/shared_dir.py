@@ -71,8 +71,8 @@ class _WholeEntries:
     """One existence check: every rank's entry of each key, stat()ed on a native thread.
 
     A thread of the scheduler's process would need the GIL after each stat(), and in
-    vLLM's one-process layout the engine's busy loop holds it: such a check took 14 to
-    63 ms for a 3,000-token prompt. This one takes no GIL until the scheduler asks."""
+    vLLM's one-process layout the engine's busy loop holds it, for a switch interval
+    after each stat(). This one takes no GIL until the scheduler asks."""
 
     def __init__(self, root: str, size: int, fingerprints: Sequence[str], keys: Sequence[bytes]):
         self._size, self._ranks = size, len(fingerprints)

@@ -136,7 +136,7 @@ class JobBook:
                     continue  # layer-wise: more layers to come
                 # A load stays in ``loads`` until its report is finished (``LoadPath.copied``): an idle
                 # step that found neither would return at once, and its busy loop would hold the GIL that
-                # the reporting thread needs (7.5 ms lost in one hit of ``bench tiers``).
+                # the reporting thread needs.
             done.append((job, job.copy_result))
         return done
 
