@@ -3,7 +3,7 @@
 Sources, later ones winning: built-in defaults, a YAML file (``config_file`` key or
 the ``KVTIER_CONFIG`` environment variable), ``KVTIER_<KEY>`` environment
 variables, then the dict the engine passes (vLLM's ``kv_connector_extra_config``).
-Every key, its default and its meaning are listed in ``KEYS``; the README's table
+Every key, its default and its meaning are listed in ``KEYS``; docs/configuration.md's table
 is printed from it by ``kvtier config --markdown``.
 """
 
@@ -336,7 +336,7 @@ def _validated(name: str, value: Any) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's configuration table, from ``KEYS``."""
+    """The configuration table of docs/configuration.md, from ``KEYS``."""
     lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
     for name, key in KEYS.items():
         default = "`$XDG_CACHE_HOME/kvtier`" if name == "disk_dir" else f"`{key.default}`"

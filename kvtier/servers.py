@@ -1,4 +1,4 @@
-"""Start a local Mooncake master or Redis server on loopback (tests, demos, the README).
+"""Start a local Mooncake master or Redis server on loopback (tests, demos, the documented commands).
 
 ``kvtier serve mooncake`` and ``kvtier serve redis`` run one in the foreground;
 ``local_mooncake()`` / ``local_redis()`` are context managers that start one on

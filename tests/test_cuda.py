@@ -4,7 +4,7 @@ Every test here needs a CUDA device and skips without one. The ordering tests qu
 long kernel (``torch.cuda._sleep``) on the compute stream before the work that writes
 or reads the KV, so that a copy not ordered against the compute stream would run in
 the middle of it and see (or leave) the wrong bytes. With the copier's stream waits
-removed, they fail (see the README's CUDA section).
+removed, they fail (scripts/gpu_check.sh makes those mutations and expects the failures).
 """
 
 import time

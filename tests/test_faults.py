@@ -1,4 +1,4 @@
-"""Faults and hostile input, one test per case of the README's "Faults kvtier survives":
+"""Faults and hostile input, one test per case of docs/operations.md's "Faults kvtier survives":
 real servers, real processes, real files."""
 
 import contextlib

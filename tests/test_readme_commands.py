@@ -1,9 +1,10 @@
-"""Every README block marked ``bash runnable`` runs as written, against a generated model.
+"""Every block marked ``bash runnable`` in README.md and docs/ runs as written, against a generated model.
 
 A block runs from a folder of its own with ``.venv`` beside it, ``.venv/bin`` on
 ``PATH``, ``MODEL`` set to a generated model with a tokenizer and ``VLLM_ARGS`` to
 this machine's flags. Whatever it left running (servers in the background) is
-stopped when it ends: SIGINT, then SIGTERM, then SIGKILL.
+stopped when it ends: SIGINT, then SIGTERM, then SIGKILL. Its output must show what
+its ``# expect: REGEX`` line says; a block without one must show a completion.
 """
 
 import os
@@ -18,12 +19,16 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKS = re.findall(r"^```bash runnable\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [block for page in PAGES for block in re.findall(r"^```bash runnable\n(.*?)^```", page.read_text(), re.S | re.M)]
+NAMES = [f"{page.name}-{i}" for page in PAGES
+         for i, _ in enumerate(re.findall(r"^```bash runnable\n", page.read_text(), re.M))]
 VLLM_ARGS = "--gpu-memory-utilization 0.3 --max-model-len 4096 --max-num-seqs 8 --enforce-eager"
 
 
 def test_the_readme_has_runnable_blocks():
-    assert len(BLOCKS) >= 2
+    readme = (ROOT / "README.md").read_text()
+    assert len(re.findall(r"^```bash runnable\n", readme, re.M)) >= 2 and len(BLOCKS) >= 4
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def _stop(group: int) -> None:
             time.sleep(0.5)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=NAMES)
 def test_a_readme_block_runs_as_written(index, model, tmp_path):
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
     env = {**os.environ, "MODEL": model, "VLLM_ARGS": VLLM_ARGS, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -68,5 +73,9 @@ def test_a_readme_block_runs_as_written(index, model, tmp_path):
     assert proc.returncode == 0, output[-4000:]
     if "kvtier doctor" in BLOCKS[index]:  # a check, not a server: every tier it names must work
         assert "kvtier doctor: every configured tier works" in output, output[-4000:]
+        return
+    expect = re.search(r"^# expect: (.+)$", BLOCKS[index], re.M)
+    if expect:
+        assert re.search(expect.group(1), output), f"no {expect.group(1)!r} in the output:\n{output[-4000:]}"
         return
     assert re.search(r'"choices":\s*\[\{.*?"text":', output), f"no completion came back:\n{output[-4000:]}"

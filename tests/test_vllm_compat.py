@@ -43,7 +43,16 @@ def test_a_vllm_without_a_hook_kvtier_needs_stops_start_up_naming_it():
     hooks = {name: (lambda self: None) for name in api_check.REQUIRED if name != "build_connector_worker_meta"}
     base = type("OldBase", (), hooks)
     with pytest.raises(RuntimeError, match="lacks the connector hooks build_connector_worker_meta"):
-        compat.check_vllm(base, release="0.20.0")
+        compat.check_vllm(base, release="0.99.0")
+
+
+def test_a_vllm_older_than_the_oldest_supported_release_stops_start_up_naming_it():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    for release in ("0.29.1", "0.11.0", "0.30.0rc1"):
+        with pytest.raises(RuntimeError, match=f"vLLM {release} is older than 0.30.0, the oldest release"):
+            compat.check_vllm(KVConnectorBase_V1, release=release)
+    compat.check_vllm(KVConnectorBase_V1, release="0.30.0")  # the oldest supported, and a source build's
+    compat.check_vllm(KVConnectorBase_V1, release="unknown")  # version, start
 
 
 def test_a_vllm_outside_the_tested_releases_gets_one_warning(caplog, monkeypatch):

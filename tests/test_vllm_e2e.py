@@ -5,8 +5,11 @@ computed in one prefill chunk and KV computed in several agree to the last
 decimal that matters and greedy tokens can be compared exactly.
 """
 
+import json
 import random
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -193,7 +196,7 @@ def test_an_invalid_configuration_fails_at_start_up_naming_the_key(workdir, mode
 def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     """``vllm serve`` with kvtier (engine in its own process): hits show on /metrics."""
     from kvtier.demo.model import make_model, words
-    from tests.e2e.servers import http_json, kvtier_metrics, vllm_server
+    from tests.e2e.servers import http_json, http_text, kvtier_metrics, vllm_server
 
     model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4))
     config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -210,10 +213,16 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
             if metrics.get("vllm:kvtier_hit_tokens_total|host", 0) > 0 or time.monotonic() > deadline:
                 break
             time.sleep(1)
+        exported = set(re.findall(r"^# HELP (\S+)", http_text(url + "/metrics"), re.M))
     assert metrics["vllm:kvtier_hit_tokens_total|host"] == (1000 // BLOCK) * BLOCK
     assert metrics["vllm:kvtier_store_bytes_total"] > 0 and metrics["vllm:kvtier_load_bytes_total"] > 0
     assert metrics["vllm:kvtier_miss_tokens_total"] >= 1000
     assert metrics["vllm:kvtier_host_slots"] > 0
+    # Every metric the Grafana dashboard in docs/ charts is one this server exports.
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvtier.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"vllm:kvtier_\w+", target["expr"])}
+    assert len(queried) >= 10 and not queried - exported, f"not exported: {sorted(queried - exported)}"
 
 
 def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):

