@@ -15,8 +15,8 @@
 
 ``check_vllm`` runs when the connector is built: a vLLM outside the tested releases
 gets one warning naming both; one older than ``OLDEST_RELEASE``, or one that lacks a
-hook kvtier needs, stops start-up with a message naming the release or the hook. ``kvtier vllm-api WHEEL`` reads a release that is not
-installed (``api_check``).
+hook kvtier needs, stops start-up with a message naming the release or the hook.
+``kvtier vllm-api WHEEL`` reads a release that is not installed (``api_check``).
 """
 
 from __future__ import annotations
