@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvtier-ready
 # Other vLLM releases that CI runs an end-to-end smoke test on; the whole suite runs on .venv's.
 RELEASES := 0.30.0 0.31.0
+# Releases that serve only on a GPU: kvtier runs inside their real scheduler, over the KV cache they allocate.
+SCHEDULER_RELEASES := 0.33.0 0.34.0
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -22,16 +24,18 @@ demo: $(STAMP)
 # and waits: start-up imports, vLLM's shutdown).
 test: $(STAMP)
 	@mkdir -p kvtier-out
-	@bash scripts/setup_vllm_releases.sh $(RELEASES) > kvtier-out/releases-setup.log 2>&1 & setup=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not vllm"; code=$$?; \
+	@(bash scripts/setup_vllm_releases.sh $(RELEASES) && bash scripts/setup_vllm_releases.sh --wheel-only \
+	  $(SCHEDULER_RELEASES)) > kvtier-out/releases-setup.log 2>&1 & setup=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not vllm and not releases"; code=$$?; \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m vllm -n 2 --dist loadfile; engines=$$?; \
 	[ $$code -ne 0 ] || code=$$engines; \
 	wait $$setup; setup_code=$$?; cat kvtier-out/releases-setup.log; \
 	[ $$code -eq 0 ] || exit $$code; [ $$setup_code -eq 0 ] || exit $$setup_code; \
-	bash scripts/smoke_vllm_releases.sh $(RELEASES)
+	bash scripts/check_vllm_releases.sh $(SCHEDULER_RELEASES); checks=$$?; \
+	bash scripts/smoke_vllm_releases.sh $(RELEASES) && exit $$checks
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm and not releases"
 
 bench: $(STAMP)
 	$(PY) -m kvtier.cli bench transfer

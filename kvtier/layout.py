@@ -9,9 +9,13 @@ A host slot holds one block for all layers: the segments of every tensor, one
 after the other, ``slot_bytes`` in all.
 
 Supported layouts (``KVLayout.kind``):
-- ``blocks_first``: any ``[num_blocks, ...]`` tensor whose blocks are contiguous, as
-  vLLM CPU's ``[num_blocks, kv_heads, block_size, 2 * head_size]`` or FlashInfer's
-  ``[num_blocks, 2, block_size, heads, head_size]``: one run per block.
+- ``blocks_first``: any ``[num_blocks, ...]`` tensor, as vLLM CPU's
+  ``[num_blocks, kv_heads, block_size, 2 * head_size]`` or FlashInfer's
+  ``[num_blocks, 2, block_size, heads, head_size]``: one run per block where its
+  bytes are contiguous. vLLM 0.33+ hands views of one allocation in the physical
+  order its KV cache layout names (``LBNHC``, ``BLHNC``, ...): read from the strides,
+  a block is one run wherever it is dense, and one run per head where heads are
+  placed outside blocks (``LHBNC``, ``BHLNC``).
 - ``kv_first``: ``[2, num_blocks, block_size, heads, head_size]`` (vLLM CUDA
   FlashAttention): K and V are two runs.
 - ``mla``: ``[num_blocks, block_size, latent_size]``: one run.
@@ -65,6 +69,14 @@ class KVLayout:
     num_layers: int
     block_shape: tuple[int, ...]  # one layer's per-block shape, for the key namespace
     segments: tuple[Segment, ...]
+    # The tensor's dimensions in memory order where a block's are not in their natural one (vLLM
+    # 0.33+'s ``LBNHC``: heads inside tokens); None where they are.
+    order: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        """What a slot's bytes mean, for the rank's fingerprint: the kind, a block's shape, and the
+        order in memory where it is not the natural one."""
+        return f"{self.kind}{list(self.block_shape)}" + (f"order{list(self.order)}" if self.order else "")
 
     @property
     def slot_bytes(self) -> int:
@@ -140,30 +152,62 @@ def detect_layout(
     for info in tensors:
         if info.shape != first or info.itemsize != tensors[0].itemsize:
             raise LayoutError(f"KV tensors differ in shape or dtype: {first} and {info.shape}")
-        if not _is_contiguous(info.shape, info.strides):
-            raise LayoutError(f"KV tensor of shape {info.shape} is not contiguous (strides {info.strides})")
+        if info.strides != tensors[0].strides:
+            raise LayoutError(f"KV tensors differ in strides: {tensors[0].strides} and {info.strides}")
     kind = kind or _guess_kind(first, num_blocks, block_size, len(tensors))
     itemsize = tensors[0].itemsize
     if kind == "kv_first":
         if len(first) < 3 or first[0] != 2 or first[1] != num_blocks:
             raise LayoutError(f"shape {first} is not [2, num_blocks={num_blocks}, block_size, ...]")
-        per_block = math.prod(first[2:]) * itemsize
         block_shape = (2, *first[2:])
-        runs = [(0, per_block), (num_blocks * per_block, per_block)]
+        block_dim = 1
         num_layers = len(tensors)
     else:
         if len(first) < 2 or first[0] != num_blocks:
             raise LayoutError(f"shape {first} does not start with num_blocks={num_blocks} for layout {kind!r}")
-        per_block = math.prod(first[1:]) * itemsize
         block_shape = tuple(first[1:])
-        runs = [(0, per_block)]
+        block_dim = 0
         num_layers = first[1] if kind == "cross_layer" else len(tensors)
+    runs, order = _block_runs(first, tensors[0].strides, block_dim)
+    stride = tensors[0].strides[block_dim] * itemsize
     segments, slot_offset = [], 0
     for index in range(len(tensors)):
-        for offset, nbytes in runs:
-            segments.append(Segment(index, offset, per_block, nbytes, slot_offset))
-            slot_offset += nbytes
-    return KVLayout(kind, num_blocks, block_size, num_layers, block_shape, tuple(segments))
+        for offset, elements in runs:
+            segments.append(Segment(index, offset * itemsize, stride, elements * itemsize, slot_offset))
+            slot_offset += elements * itemsize
+    return KVLayout(kind, num_blocks, block_size, num_layers, block_shape, tuple(segments), order)
+
+
+def _block_runs(shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int
+                ) -> tuple[list[tuple[int, int]], tuple[int, ...] | None]:
+    """One block's contiguous runs, as (offset, elements) in memory order, and the order in memory
+    of the block's own dimensions where it is not their natural one (None where it is).
+
+    The dimensions of a block whose strides pack densely from the innermost out make one run;
+    those outside it (a K/V pair's halves, or heads placed outside the block dimension as vLLM's
+    ``LHBNC`` layout does) each split it into runs. A block's slot holds its runs in memory order,
+    so the same shape in another physical order (vLLM's ``LBNHC`` against ``LBHNC``) keys other
+    entries (``describe``)."""
+    if any(stride < 0 for stride in strides):
+        raise LayoutError(f"KV tensor strides {strides} are negative")
+    dims = [d for d in range(len(shape)) if d != block_dim and shape[d] != 1]
+    by_stride = sorted(dims, key=lambda d: (strides[d], -d))
+    elements, inner = 1, 0
+    for d in by_stride:
+        if strides[d] != elements:
+            break
+        elements *= shape[d]
+        inner += 1
+    outer = by_stride[inner:][::-1]  # outermost first
+    offsets = [0]
+    for d in outer:
+        offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
+    offsets.sort()
+    for a, b in zip(offsets, offsets[1:]):
+        if b < a + elements:
+            raise LayoutError(f"KV tensor of shape {shape} (strides {strides}) overlaps itself within a block")
+    memory_order = tuple(sorted(dims, key=lambda d: (-strides[d], d)))
+    return [(o, elements) for o in offsets], (None if list(memory_order) == dims else memory_order)
 
 
 def _guess_kind(shape: tuple[int, ...], num_blocks: int, block_size: int, num_tensors: int) -> str:
@@ -182,12 +226,3 @@ def _guess_kind(shape: tuple[int, ...], num_blocks: int, block_size: int, num_te
         f"[num_blocks, kv_heads, block_size, 2 * head_size], FlashInfer [num_blocks, 2, block_size, heads, head_size]; "
         f"mla: [num_blocks, block_size, latent]), [2, num_blocks, ...] (kv_first: FlashAttention), and one "
         f"[num_blocks, num_layers, ...] tensor named explicitly (cross_layer)")
-
-
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True

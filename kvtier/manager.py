@@ -76,6 +76,11 @@ class TierManager:
         """Number of leading ``keys`` ready in the host pool (loadable layer by layer)."""
         return self.host.lookup(keys)
 
+    def may_hold(self, key: bytes) -> bool:
+        """A guess that costs a few dict lookups: the host pool or a tier that answers from its own
+        list holds ``key``. A tier that asks its server is not asked (no guess from it)."""
+        return self.host.contains(key) or any(tier.holds(key) for tier in self.tiers)
+
     def wait_for_lookups(self, timeout_s: float) -> None:
         """An engine step that computes nothing: wait, at most ``timeout_s``, for the tiers' answers
         that lookups wait for ("ask again"). Else the engine steps again at once, a busy loop on a core

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_tiering import VLLM_LAYOUTS, vllm_layer_views
+
 from kvtier.layout import detect_layout
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer
@@ -59,7 +61,8 @@ def cuda_layouts():
         ("mla", lambda: [torch.zeros(48, 4, 9, dtype=torch.float32, device="cuda") for _ in range(2)]),
         ("cross_layer", lambda: [torch.zeros(48, 3, 2, 4, 7, dtype=torch.bfloat16, device="cuda")]),
         ("blocks_first", lambda: [torch.zeros(48, 2, 4, 3, 8, dtype=torch.bfloat16, device="cuda") for _ in range(3)]),
-    ]
+    ] + [(f"vllm_{name}", lambda name=name: vllm_layer_views(name, 3, 2, 6, device="cuda"))  # vLLM 0.33+
+         for name in VLLM_LAYOUTS]
 
 
 @pytest.mark.parametrize("name, make", cuda_layouts(), ids=[n for n, _ in cuda_layouts()])

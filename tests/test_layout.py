@@ -44,8 +44,29 @@ def test_unknown_shape_is_named():
         detect_layout(infos([torch.zeros(3, 3)]), NB, BS)
     with pytest.raises(LayoutError, match="ambiguous"):
         detect_layout(infos([torch.zeros(2, 2, BS, 8)]), 2, BS)
-    with pytest.raises(LayoutError, match="not contiguous"):
+    with pytest.raises(LayoutError, match="overlaps itself within a block"):
         detect_layout([TensorInfo((NB, 2, BS, 8), (1, 1, 1, 1), 2, 0)], NB, BS)
+    with pytest.raises(LayoutError, match="differ in strides"):
+        detect_layout([TensorInfo((NB, 2, BS, 8), (64, 32, 8, 1), 2, 0), TensorInfo((NB, 2, BS, 8), (64, 8, 16, 1), 2, 0)],
+                      NB, BS)
+
+
+def test_vllm_033_layouts_are_read_from_their_strides_and_key_entries_of_their_own():
+    from test_tiering import VLLM_LAYOUTS, vllm_layer_views
+
+    natural = detect_layout(infos(vllm_layer_views("BLHNC", 3, 2, 6, NB)), NB, BS)
+    described = {}
+    for name in VLLM_LAYOUTS:
+        layout = detect_layout(infos(vllm_layer_views(name, 3, 2, 6, NB)), NB, BS)
+        assert layout.kind == "blocks_first" and layout.slot_bytes == natural.slot_bytes
+        # Heads outside blocks: a run per head and layer; else one per layer.
+        assert len(layout.segments) == (6 if name in ("LHBNC", "BHLNC") else 3)
+        described[name] = layout.describe()
+    # A slot holds a block's runs in memory order: heads inside tokens is another byte order, whose
+    # entries are its own; heads outside blocks leave a block's bytes in the natural order.
+    assert described["LBNHC"] == described["BLNHC"] != natural.describe()
+    assert described["LHBNC"] == described["BHLNC"] == described["BLHNC"] == natural.describe()
+
 
 
 def test_adjacent_runs_are_coalesced():
@@ -219,3 +240,29 @@ def test_native_block_copy_checks_every_id_before_moving_a_byte():
             copy_runs.copy_blocks(table, np.array(block_ids, np.int64), np.array(slot_ids, np.int64),
                                   host.data_ptr(), layout.slot_bytes, NB, 4, True)
         assert not host.any()  # the valid first id was not copied either
+
+
+def _layouts():
+    from test_tiering import layouts
+    return layouts()
+
+
+@pytest.mark.parametrize("name, tensors", _layouts())
+def test_the_cuda_copiers_views_hold_the_bytes_the_cpu_copier_moves(name, tensors):
+    # The CUDA copier moves a block through one strided view per segment: on CPU tensors of every
+    # layout (vLLM 0.33+'s views of one allocation among them), each view's row of a block is that
+    # block's run, as the CPU copier's runs read it.
+    from test_tiering import BS as TBS
+    from test_tiering import NB as TNB
+    from test_tiering import randomize
+
+    from kvtier.transfer.cuda import segment_views
+    randomize(tensors)
+    layout = detect_layout(infos(tensors), TNB, TBS, "cross_layer" if name == "cross_layer" else None)
+    views = segment_views(layout, tensors)
+    for block in (0, 3, TNB - 1):
+        host = np.zeros(layout.slot_bytes, np.uint8)
+        dst, src, lengths = layout.copy_runs([t.data_ptr() for t in tensors], host.ctypes.data, np.array([block]),
+                                             np.array([0]), True)
+        copy_runs.copy(dst, src, lengths)
+        assert torch.cat([view[block] for view in views]).numpy().tobytes() == host.tobytes()

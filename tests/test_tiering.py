@@ -27,7 +27,23 @@ def layouts():
         ("kv_first", [torch.zeros(2, NB, BS, 3, 5, dtype=torch.float16) for _ in range(2)]),
         ("mla", [torch.zeros(NB, BS, 9, dtype=torch.float32) for _ in range(2)]),
         ("cross_layer", [torch.zeros(NB, 3, 2, BS, 7, dtype=torch.bfloat16)]),  # named explicitly
-    ]
+    ] + [(f"vllm_{name}", vllm_layer_views(name, 3, heads=2, head_size=6)) for name in VLLM_LAYOUTS]
+
+
+# vLLM 0.33+'s KV cache layouts: where each of [layer, block, head, token, content] lies in memory.
+VLLM_LAYOUTS = {"LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4), "BLHNC": (1, 0, 2, 3, 4),
+                "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+def vllm_layer_views(layout: str, num_layers: int, heads: int, head_size: int, num_blocks: int = NB,
+                     dtype=torch.bfloat16, device: str = "cpu") -> list[torch.Tensor]:
+    """Per-layer ``[num_blocks, heads, block_size, 2 * head_size]`` views of one allocation in
+    ``layout``'s physical order, as vLLM 0.33+'s ``allocate_kv_cache`` hands them to a connector."""
+    logical = (num_layers, num_blocks, heads, BS, 2 * head_size)
+    order = VLLM_LAYOUTS[layout]
+    physical = torch.zeros([logical[d] for d in order], dtype=dtype, device=device)
+    views = physical.permute([order.index(d) for d in range(5)])
+    return [views[layer] for layer in range(num_layers)]
 
 
 class Engine:

@@ -61,12 +61,34 @@ def test_a_vllm_outside_the_tested_releases_gets_one_warning(caplog, monkeypatch
     with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
         compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
         compat.check_vllm(KVConnectorBase_V1, release="0.99.0")
-    warnings = [r.getMessage() for r in caplog.records if "tested with" in r.getMessage()]
-    assert warnings == ["kvtier: running on vLLM 0.99.0; kvtier is tested with vLLM 0.30.0, 0.31.0, 0.32.0"]
+    warnings = [r.getMessage() for r in caplog.records if "not been checked" in r.getMessage()]
+    assert warnings == ["kvtier: running on vLLM 0.99.0, which kvtier has not been checked with; it is tested end "
+                        "to end with vLLM 0.30.0, 0.31.0, 0.32.0 and inside the scheduler of vLLM 0.33.0, 0.34.0"]
     caplog.clear()
     monkeypatch.setattr(compat, "_warned", False)
     compat.check_vllm(KVConnectorBase_V1, release=compat.TESTED_RELEASES[0])
     assert not caplog.records
+
+
+def test_the_installed_vllm_warns_at_start_up_exactly_when_it_is_newer_than_the_last_release_checked(caplog,
+                                                                                                    monkeypatch):
+    check_installed_release_warning(caplog, monkeypatch)
+
+
+def check_installed_release_warning(caplog, monkeypatch):
+    """Fails on a vLLM newer than the last release checked unless its start-up warns, naming it."""
+    from packaging.version import Version
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    release = compat.vllm_release()
+    checked = compat.TESTED_RELEASES + compat.SCHEDULER_CHECKED_RELEASES
+    monkeypatch.setattr(compat, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        compat.check_vllm(KVConnectorBase_V1)
+    warned = [r.getMessage() for r in caplog.records if f"running on vLLM {release}, which" in r.getMessage()]
+    assert bool(warned) == (release not in checked), (release, warned)
+    if Version(release) > max(Version(r) for r in checked):
+        assert warned
 
 
 # --- sleep mode (vLLM 0.33): the KV cache is released and mapped again ---------------------

@@ -161,6 +161,11 @@ class TierIndex(ABC):
         Per key rather than a count: a loadable prefix may mix tiers (block 0 on disk,
         block 1 only in the pool), and the manager walks it block by block."""
 
+    def holds(self, key: bytes) -> bool | None:
+        """Whether the tier holds ``key``, from the index's own list, marking no use of it; None
+        where only the tier can say (one that ``asks_the_tier``). For a guess that must be cheap."""
+        return None
+
     def prepare_load(self, keys: Sequence[bytes]) -> None:
         """Keep these entries loadable until ``complete_load`` (pin them against eviction)."""
 

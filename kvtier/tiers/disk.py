@@ -148,6 +148,9 @@ class DiskIndex(TierIndex):
                 self._ready.move_to_end(key)
         return found
 
+    def holds(self, key: bytes) -> bool:
+        return key in self._ready
+
     def ready_keys(self) -> set[bytes]:
         return set(self._ready)
 

@@ -51,9 +51,12 @@ def segment_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[tor
     """One ``[num_blocks, nbytes]`` uint8 view per segment of the layout."""
     views = []
     for seg in layout.segments:
-        flat = tensors[seg.tensor_index].view(torch.uint8).reshape(-1)
-        span = flat[seg.offset: seg.offset + layout.num_blocks * seg.stride]
-        views.append(span.view(layout.num_blocks, seg.stride)[:, :seg.nbytes])
+        # Strided over the tensor's storage, not a flattened copy: vLLM 0.33+ hands views of one
+        # allocation (a layer's blocks a stride of all layers apart, or heads outside blocks), which
+        # ``reshape`` would copy.
+        data = tensors[seg.tensor_index].view(torch.uint8)
+        views.append(data.as_strided((layout.num_blocks, seg.nbytes), (seg.stride, 1),
+                                     data.storage_offset() + seg.offset))
     return views
 
 

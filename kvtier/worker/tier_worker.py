@@ -55,7 +55,7 @@ class TierWorker:
         self.tensors = list(tensors)  # kept alive: copies use their addresses
         self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
                                               layout_kind)
-        device_layout = f"{self.layout.kind}{list(self.layout.block_shape)}{self.tensors[0].dtype}"
+        device_layout = f"{self.layout.describe()}{self.tensors[0].dtype}"
         # Replicated KV (save_only_first_rank): every rank's blocks are rank 0's, stored once, by rank 0.
         replicated = config.save_only_first_rank and broadcast_group is not None
         self.is_source = not replicated or rank == 0
@@ -225,9 +225,8 @@ class TierWorker:
             return
         layout = detect_layout([tensor_info(t) for t in self.tensors], self.layout.num_blocks,
                                self.layout.block_size, self.layout.kind)
-        if (layout.slot_bytes, layout.block_shape) != (self.layout.slot_bytes, self.layout.block_shape):
-            raise RuntimeError(f"kvtier: the KV cache came back as {layout.kind} {list(layout.block_shape)}, "
-                               f"not {self.layout.kind} {list(self.layout.block_shape)}")
+        if (layout.slot_bytes, layout.describe()) != (self.layout.slot_bytes, self.layout.describe()):
+            raise RuntimeError(f"kvtier: the KV cache came back as {layout.describe()}, not {self.layout.describe()}")
         self.layout = layout
         if self.replicated is not None:
             self.replicated.rebind(self.tensors)

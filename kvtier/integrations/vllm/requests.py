@@ -86,12 +86,13 @@ class Requests:
             if new.req_id in self._states:
                 self._states[new.req_id].block_ids = list(new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # vLLM 0.34 sends resumed requests as new ones
         for i, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
             new_block_ids = cached.new_block_ids[i]
             if state is None or new_block_ids is None:
                 continue
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 state.block_ids = list(new_block_ids[0])  # a resumed request gets all its blocks anew
             else:
                 state.block_ids += new_block_ids[0]

@@ -37,7 +37,7 @@ class SchedulerSide:
         # Requests waiting for a producer's stores.
         self.handoffs = HandOffs(config.load_timeout_s, config.handoff_stall_s)
         self.partial_blocks = config.store_partial_block or kv_role in ("kv_producer", "kv_consumer")
-        self._handed_block_size = None if self.partial_blocks else geometry.block_size  # ``handed_tokens``
+        self.handed_block_size = None if self.partial_blocks else geometry.block_size  # ``handed_tokens``
         self.config = config
         self.geometry = geometry
         self.block_size = geometry.block_size
@@ -107,7 +107,7 @@ class SchedulerSide:
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         # A producer is still storing this prompt: wait, bounded.
-        if hit_tokens < handed_tokens(request, self._handed_block_size):
+        if hit_tokens < handed_tokens(request, self.handed_block_size):
             # No wait where its blocks cannot come: the storage pool is down, or this request's load failed from it.
             if self.manager.can_arrive(request.request_id):
                 wait, ask_again = self.handoffs.wait(request.request_id, hit_tokens)
@@ -143,7 +143,7 @@ class SchedulerSide:
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
         self.miss_tokens += count_misses(self.manager, self.requests, self.geometry, request, state, hit_tokens,
-                                         handed_tokens(request, self._handed_block_size))
+                                         handed_tokens(request, self.handed_block_size))
         if num_external_tokens == 0:
             self.manager.drop_lookup(request.request_id)  # it loads nothing: the host slots it counted on are free
             return

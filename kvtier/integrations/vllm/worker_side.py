@@ -95,7 +95,7 @@ class WorkerSide:
     def handshake(self) -> KVTierHandshake:
         layout = self.tier_worker.layout
         return KVTierHandshake(self.rank, self.tier_worker.rank_fingerprint, layout.slot_bytes,
-                               f"{layout.kind} {list(layout.block_shape)}")
+                               layout.describe())
 
     def _new_jobs(self, jobs):
         for job in jobs:
