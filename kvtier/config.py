@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
+from urllib.parse import quote, unquote, unquote_plus, urlencode, urlparse
 
 import yaml
 
@@ -53,7 +55,7 @@ def _parse_float(value: Any) -> float:
     return float(value)
 
 
-def _parse_tiers(value: Any) -> tuple[str, ...]:
+def _parse_store_to(value: Any) -> tuple[str, ...]:
     names = value if isinstance(value, (list, tuple)) else [v for v in str(value).replace(" ", "").split(",") if v]
     unknown = [n for n in names if n not in ("disk", "remote")]
     if unknown:
@@ -63,19 +65,95 @@ def _parse_tiers(value: Any) -> tuple[str, ...]:
 
 def _valid_remote_url(value: str) -> bool:
     from kvtier.tiers.registry import validate_url
-    validate_url(value)  # raises ValueError with the reason
+    validate_url(value, shared_only=True)  # raises ValueError with the reason
     return True
 
 
-def _parse_disk_dir(value: Any) -> str | None:
-    """A usable directory, or None. Checked at start-up, so that a bad path fails there, naming
-    the key, rather than as failed writes later: it must be a directory (or creatable as one)
-    that this process can write."""
+def _parse_tier_list(value: Any) -> tuple[str, ...] | None:
+    """A YAML list, or (from a KVTIER_TIERS variable) a JSON list or URLs split by commas or spaces."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
         return None
-    path = Path(os.path.expanduser(str(value)))
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else text.replace(",", " ").split()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(url, str) and url for url in value):
+        raise ValueError("not a list of tier URLs")
+    return tuple(value)
+
+
+def _valid_tier_list(value: tuple[str, ...] | None) -> bool:
+    if value is not None:
+        from kvtier.tiers.registry import check_tiers
+        check_tiers(_tier_entries(value, None))  # raises ValueError naming the entry and the reason
+    return True
+
+
+# kvtier's own options of a tier, in its URL's query (taken out before the tier reads its URL) ->
+# the key whose value is their default and whose rule they follow.
+TIER_OPTIONS = {"timeout_s": "remote_timeout_s", "retry_s": "remote_retry_s", "ttl_s": "remote_ttl_s",
+                "audit_s": "remote_audit_s", "answer_s": "remote_answer_s", "threads": "disk_io_threads",
+                "write": "verify_loads"}  # write: a boolean, as verify_loads is; true by default
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One tier of the ``tiers`` list (or of the shorthand), kvtier's own options read."""
+
+    url: str  # the tier's URL without kvtier's own options
+    name: str | None  # ``name=``; None: the kind's name
+    write: bool
+    timeout_s: float
+    retry_s: float
+    ttl_s: float
+    audit_s: float
+    answer_s: float
+    threads: int
+
+
+def _tier_entries(urls, config: "KVTierConfig | None") -> list[TierEntry]:
+    """``urls`` read into entries; options they leave out take ``config``'s keys (None: the defaults)."""
+    entries = []
+    for i, url in enumerate(urls):
+        scheme = urlparse(url).scheme
+        address, _, query = url.partition("?")
+        own, rest = {}, []
+        for part in query.split("&") if query else []:  # the tier's own options kept as written
+            name, _, value = part.partition("=")
+            if unquote(name) in (*TIER_OPTIONS, "name"):
+                own[unquote(name)] = unquote_plus(value)
+            else:
+                rest.append(part)
+        values = {}
+        for option, key in TIER_OPTIONS.items():
+            if option not in own:
+                values[option] = True if option == "write" else (
+                    getattr(config, key) if config is not None else KEYS[key].parse(KEYS[key].default))
+                continue
+            try:
+                values[option] = KEYS[key].parse(own[option])
+                ok = KEYS[key].check(values[option])
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"tier {i} ({scheme}://...): option {option}={own[option]!r} is not allowed; "
+                                 f"allowed: {KEYS[key].allowed}")
+        entries.append(TierEntry(f"{address}?{'&'.join(rest)}" if rest else address, own.get("name"), **values))
+    return entries
+
+
+def _parse_disk_dir(value: Any) -> str | None:
+    """A usable directory, or None."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        return None
     if not str(value).strip():
         raise ValueError("an empty path (null disables the disk tier)")
+    return usable_directory(str(value))
+
+
+def usable_directory(value: str) -> str:
+    """Checked at start-up, so that a bad path fails there, naming the key, rather than as failed
+    writes later: it must be a directory (or creatable as one) that this process can write."""
+    path = Path(os.path.expanduser(value))
     existing = path
     while not existing.exists():  # the folders kvtier would make must go where it can write
         if existing.is_symlink():
@@ -130,6 +208,17 @@ KEYS: dict[str, _Key] = {
         "Size of the host memory pool (the first tier), shared memory that kvtier's I/O process maps too. "
         "Pinned when the device is CUDA. It holds host_bytes // (one block's bytes) blocks; on CPU each "
         "slot also has a 64-byte head, for its entry's header."),
+    "tiers": _Key(
+        None, _parse_tier_list, _valid_tier_list,
+        "null, or a list of tier URLs (disk:///dir, file:///dir, redis://, rediss://, redis+cluster://, "
+        "mooncake://...), each with optional ?max_bytes= (disk, file), name=, write=, timeout_s=, retry_s=, "
+        "ttl_s=, audit_s=, answer_s=, threads=",
+        "The tiers below the host pool, in lookup order (a block is loaded from the first that holds it, and "
+        "stored to each with write=true, the default). A tier's own options default to the keys they are "
+        "named after (max_bytes: disk_bytes; timeout_s: remote_timeout_s; threads: disk_io_threads; ...). "
+        "Tiers are named by kind (disk, file, redis, mooncake), a second one of a kind disk2, or by name=. "
+        "Null: disk_dir, disk_bytes, remote_url and store_to say which tiers there are (set either those or "
+        "this)."),
     "disk_dir": _Key(
         _default_disk_dir(), _parse_disk_dir, lambda v: True,
         "a writable directory (made if missing), or null to disable the disk tier",
@@ -187,7 +276,7 @@ KEYS: dict[str, _Key] = {
         "publishes no eviction notices) is then announced as removed (KV events) and explains later misses. "
         "0: only a load that finds a block gone tells it."),
     "store_to": _Key(
-        "disk,remote", _parse_tiers, lambda v: True, "a comma-separated subset of disk, remote (or empty)",
+        "disk,remote", _parse_store_to, lambda v: True, "a comma-separated subset of disk, remote (or empty)",
         "Tiers that stores are written through to, besides the host pool (where configured)."),
     "load_timeout_s": _Key(
         10.0, _parse_float, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]",
@@ -247,6 +336,7 @@ KEYS: dict[str, _Key] = {
 @dataclass(frozen=True)
 class KVTierConfig:
     host_bytes: int
+    tiers: tuple[str, ...] | None
     disk_dir: str | None
     disk_bytes: int
     block_size: int | None
@@ -292,6 +382,7 @@ class KVTierConfig:
 
         config_file = extra_config.get("config_file", env_values.get("config_file", environ.get("KVTIER_CONFIG")))
         raw: dict[str, Any] = {name: key.default for name, key in KEYS.items()}
+        loaded: dict[str, Any] = {}
         if config_file is not None:
             raw["config_file"] = config_file
             file_path = _validated("config_file", config_file)
@@ -303,12 +394,45 @@ class KVTierConfig:
                 raw.update(loaded)
         raw.update(env_values)
         raw.update(extra_config)
+        _reject_shorthand_beside_tiers(raw, {*loaded, *env_values, *extra_config})
         return cls(**{name: _validated(name, value) for name, value in raw.items()})
+
+    def tier_entries(self) -> list[TierEntry]:
+        """The tiers below the host pool, in lookup order: the ``tiers`` list, or the one its shorthand
+        keys stand for (the disk at ``disk_dir`` bounded by ``disk_bytes``, then ``remote_url``)."""
+        if self.tiers is not None:
+            return _tier_entries(self.tiers, self)
+        entries = []
+        if self.disk_dir:
+            query = urlencode({"max_bytes": self.disk_bytes, "write": "disk" in self.store_to})
+            entries.append(f"disk://{quote(self.disk_dir)}?{query}")
+        if self.remote_url:
+            write = urlencode({"write": "remote" in self.store_to})
+            entries.append(f"{self.remote_url}{'&' if '?' in self.remote_url else '?'}{write}")
+        return _tier_entries(entries, self)
 
     def replace(self, **changes: Any) -> "KVTierConfig":
         _reject_unknown(changes, "replace()")
         merged = dataclasses.asdict(self) | changes
+        if "tiers" in changes:  # the list replaces the shorthand's tiers; what they were set to stays unused
+            _reject_shorthand_beside_tiers(merged, changes.keys())
         return KVTierConfig(**{name: _validated(name, value) for name, value in merged.items()})
+
+
+SHORTHAND = ("disk_dir", "remote_url", "store_to")  # the keys that ``tiers`` stands in for (disk_bytes: its default bound)
+
+
+def _reject_shorthand_beside_tiers(raw: Mapping[str, Any], given) -> None:
+    """Both ways of saying which tiers there are, at once: which one stands is not guessed."""
+    try:
+        if _parse_tier_list(raw.get("tiers")) is None:
+            return
+    except ValueError:  # reported, naming the key, where the value is checked
+        return
+    both = [name for name in SHORTHAND if name in given]
+    if both:
+        raise ConfigError(f"kvtier config: key 'tiers' lists the tiers, so key '{both[0]}' cannot be set beside it "
+                          f"(give each tier's options in its URL: disk:///dir?max_bytes=100GiB&write=false)")
 
 
 def _reject_unknown(values: Mapping[str, Any], source: str) -> None:

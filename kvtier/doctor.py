@@ -2,7 +2,7 @@
 
 Checks, in order, each one a line of the report:
 - the configuration (the same validation vLLM's start-up runs; a bad key is named);
-- ``disk_dir``: writable, and room for ``disk_bytes``;
+- every local directory tier (``disk_dir``, ``disk://`` in ``tiers``): writable, and room for its bound;
 - every configured tier below the host pool: one block written and read back through
   the tier's own store (the code kvtier's I/O process runs), header and checksum
   included, under a namespace of the doctor's own, so no model's entries are touched
@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -57,8 +56,8 @@ def _config_sources(config_file: str | None, kv_transfer_config: str | None) -> 
     return extra
 
 
-def check_disk(config: KVTierConfig) -> Check:
-    path = config.disk_dir
+def check_disk(spec, name: str = "disk_dir") -> Check:
+    path, bound = spec.kind.directory(spec), spec.capacity_bytes
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".kvtier-doctor-") as probe:
@@ -67,12 +66,11 @@ def check_disk(config: KVTierConfig) -> Check:
             os.fsync(probe.fileno())
         free = shutil.disk_usage(path).free
     except OSError as error:
-        return Check("disk_dir", False, f"{path}: not usable ({error})")
-    room = "room for" if free >= config.disk_bytes else "LESS than"
-    full = "" if free >= config.disk_bytes else "; once the filesystem is full, the tier keeps what it holds and evicts"
-    return Check("disk_dir", True, f"{path}: writable; {free / 2**30:.1f} GiB free, {room} disk_bytes "
-                                   f"({config.disk_bytes / 2**30:.1f} GiB; the tier's file is sparse and fills as "
-                                   f"used{full})")
+        return Check(name, False, f"{path}: not usable ({error})")
+    room = "room for" if free >= bound else "LESS than"
+    full = "" if free >= bound else "; once the filesystem is full, the tier keeps what it holds and evicts"
+    return Check(name, True, f"{path}: writable; {free / 2**30:.1f} GiB free, {room} its bound "
+                             f"({bound / 2**30:.1f} GiB; the tier's file is sparse and fills as used{full})")
 
 
 def round_trip(spec) -> Check:
@@ -83,8 +81,8 @@ def round_trip(spec) -> Check:
     where = redact(spec.location)
     store = None
     try:
-        if spec.module == "kvtier.tiers.disk":
-            spec = _private_disk_spec(spec)
+        if spec.kind.probe_spec is not None:
+            spec = spec.kind.probe_spec(spec, DOCTOR_FINGERPRINT, PROBE_BYTES)
         spec = replace(spec, options={**spec.options, "ttl_s": 600})  # a pool forgets the probe on its own
         store = make_store(spec, DOCTOR_FINGERPRINT, PROBE_BYTES)
         host = np.zeros((2, PROBE_BYTES), np.uint8)
@@ -102,54 +100,21 @@ def round_trip(spec) -> Check:
         if not np.array_equal(host[0], host[1]):
             return Check(spec.name, False, f"{where}: read back other bytes", time.monotonic() - began)
         took = time.monotonic() - began
+        notices = spec.kind.notices(spec) if spec.kind.notices is not None else ""
         return Check(spec.name, True, f"{where}: one {PROBE_BYTES >> 10} KiB block written and read back "
-                                      f"byte-exact, checksum checked, in {1000 * took:.0f} ms{_notices(spec)}", took)
+                                      f"byte-exact, checksum checked, in {1000 * took:.0f} ms{notices}", took)
     except Exception as error:  # whatever the tier raises is the report, not a crash
         return Check(spec.name, False, f"{where}: {type(error).__name__}: {redact(error)}", time.monotonic() - began)
     finally:
         if store is not None:
             store.close()
-        if spec.module in ("kvtier.tiers.disk", "kvtier.tiers.shared_dir"):  # the probe's folder goes
-            root = spec.location if spec.module == "kvtier.tiers.disk" else urlparse(spec.location).path
-            shutil.rmtree(os.path.join(root, DOCTOR_FINGERPRINT.hex()), ignore_errors=True)
-
-
-def _notices(spec) -> str:
-    """For a storage pool: when routers hear of the blocks it evicts or expires."""
-    audit_s = spec.options.get("audit_s", 0)
-    later = (f"within {audit_s:g} s (remote_audit_s) or when a load finds the block gone" if audit_s else
-             "when a load finds the block gone")
-    if spec.module == "kvtier.tiers.mooncake" or "+cluster" in urlparse(spec.location).scheme:
-        return f"; it publishes no evictions: routers hear of them {later}"
-    if spec.module != "kvtier.tiers.redis":
-        return ""
-    import redis
-
-    from kvtier.tiers.redis import unpublished
-
-    client = redis.Redis.from_url(spec.location, socket_timeout=spec.timeout_s, socket_connect_timeout=spec.timeout_s)
-    try:
-        missing = unpublished(client)
-    except Exception:  # the block went through: a question the server does not answer is no failure
-        return ""
-    finally:
-        client.close()
-    return ("; its evictions and expiries are published (routers hear of them at once)" if missing is None else
-            f"; its evictions and expiries are not published ({missing}): routers hear of them {later}")
+        if spec.kind.directory is not None:  # the probe's folder goes
+            shutil.rmtree(os.path.join(spec.kind.directory(spec), DOCTOR_FINGERPRINT.hex()), ignore_errors=True)
 
 
 def _why(store) -> str:
     client = getattr(store, "client", None)
     return f": {client.last_error}" if getattr(client, "last_error", "") else ""
-
-
-def _private_disk_spec(spec):
-    """The disk tier's store writes into a file its index made: make the doctor's own, sized for one place."""
-    from kvtier.entry import HEADER_BYTES
-    from kvtier.tiers.disk import DiskIndex
-
-    DiskIndex(spec.location, HEADER_BYTES + PROBE_BYTES, PROBE_BYTES, [DOCTOR_FINGERPRINT]).close()
-    return replace(spec, timeout_s=10.0)
 
 
 def _bounded(check, spec, timeout_s: float) -> Check:
@@ -174,11 +139,13 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
         checks.append(Check("configuration", False, redact(error)))
         return {"ok": False, "status": 2, "checks": [asdict(c) for c in checks]}
     checks.append(Check("configuration", True, "valid"))
-    if config.disk_dir:
-        checks.append(check_disk(config))
     from kvtier.tiers.registry import tier_specs
 
-    for spec in tier_specs(config):
+    specs = tier_specs(config)
+    for spec in specs:  # a local directory first: why a write fails there shows here
+        if spec.kind.directory is not None and not spec.kind.shared:
+            checks.append(check_disk(spec, "disk_dir" if config.tiers is None else f"{spec.name} directory"))
+    for spec in specs:
         checks.append(_bounded(round_trip, spec, tier_timeout_s))
     records = namespaces.read_all(tier_specs(config))
     report: dict = {"recorded": [_summary(r) for r in records]}

@@ -520,7 +520,7 @@ def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, key
     from kvtier.bench.io_path import IOPath
     from kvtier.servers import local_mooncake, local_redis
     from kvtier.tiers.base import TierSpec
-    from kvtier.tiers.registry import DISK_MODULE, SCHEMES
+    from kvtier.tiers.registry import kind_of, module_of
 
     key_file = None
     if keyed:
@@ -534,11 +534,10 @@ def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, key
     keys = [bytes([i]) * 16 for i in range(4)]
     with server() if server else contextlib.nullcontext() as running:
         if tier == "disk":
-            spec = TierSpec("disk", DISK_MODULE, str(tmp_path / "disk"), options=options)
+            spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path / "disk"), options=options)
         else:
             url = running.url if running else f"file://{tmp_path / 'shared'}"
-            spec = TierSpec(SCHEMES[url.split("://")[0]][0], SCHEMES[url.split("://")[0]][1], url, timeout_s=10.0,
-                            retry_s=1.0, options=options)
+            spec = TierSpec(kind_of(url).name, module_of(url), url, timeout_s=10.0, retry_s=1.0, options=options)
         path = IOPath(spec, len(rows), rows.shape[1])
         try:
             sums = path.fill(rows)

@@ -257,9 +257,11 @@ def test_a_load_that_failed_from_the_disk_is_taken_again_from_the_shared_tier(sh
 
 
 def test_each_tier_is_sent_jobs_of_its_own_size_and_loads_back_byte_exact(shared, tmp_path, monkeypatch):
-    """How much one I/O job moves is the tier's (its module's ``JOB_BYTES``, else the default): a
+    """How much one I/O job moves is the tier's (its kind's ``job_bytes``, else the default): a
     store's writes reach the disk in jobs of one block and the shared directory in jobs of three,
     and each tier's reads come the same way, byte for byte."""
+    import dataclasses
+
     import kvtier.tiers.shared_dir
 
     disk = str(tmp_path / "disk")
@@ -267,7 +269,8 @@ def test_each_tier_is_sent_jobs_of_its_own_size_and_loads_back_byte_exact(shared
     slot_bytes = probe.worker.layout.slot_bytes
     probe.close()
     monkeypatch.setattr("kvtier.tiers.base.JOB_BYTES", 1)  # the default: the disk's module sets none
-    monkeypatch.setattr(kvtier.tiers.shared_dir, "JOB_BYTES", 3 * slot_bytes, raising=False)
+    monkeypatch.setattr(kvtier.tiers.shared_dir, "KIND", dataclasses.replace(kvtier.tiers.shared_dir.KIND,
+                                                                          job_bytes=3 * slot_bytes))
 
     def recorded(instance):
         sent, submit = [], instance.worker.io.submit

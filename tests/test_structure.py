@@ -116,3 +116,26 @@ def test_the_scheduler_and_io_halves_load_without_torch_or_an_engine(module):
             "print(sorted(m for m in ('torch', 'vllm', 'kvtier.bench', 'kvtier.demo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# The commands that start or time tiers by kind (a local pool for the demo, a benchmark of each
+# tier), and the shorthand's own vocabulary (``store_to``: disk, remote) in the configuration.
+TIER_NAMES_ALLOWED_IN = ("kvtier.tiers", "kvtier.bench", "kvtier.demo", "kvtier.cli", "kvtier.servers")
+
+
+def test_no_tier_is_named_outside_its_own_module():
+    """What a tier is (shared, its medium, its job size, how ``kvtier doctor`` asks it) is data it
+    declares (``TierKind``): no code outside ``kvtier/tiers`` compares a tier's name or module."""
+    from kvtier.tiers.registry import SCHEMES, kind_of
+
+    names = {kind_of(f"{scheme}://x").name for scheme in SCHEMES} | set(SCHEMES.values())
+    names -= {"disk"}  # also the shorthand's ``store_to`` word, checked below where it is not that
+    found = []
+    for module, path in _modules().items():
+        if module.startswith(TIER_NAMES_ALLOWED_IN):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and (node.value in names or (
+                    node.value == "disk" and module != "kvtier.config")):
+                found.append(f"{module}:{node.lineno}: {node.value!r}")
+    assert not found

@@ -55,7 +55,7 @@ class Engine:
         slot_bytes, rank_fingerprint = probe.layout.slot_bytes, probe.rank_fingerprint
         probe.close()
         self.config = KVTierConfig.from_sources({
-            "host_bytes": host_blocks * slot_bytes, "disk_dir": disk_dir,
+            "host_bytes": host_blocks * slot_bytes, **({} if "tiers" in config else {"disk_dir": disk_dir}),
             "disk_bytes": disk_blocks * (slot_bytes + HEADER_BYTES), **config}, environ={})
         self.tensors = tensors
         self.manager = TierManager(self.config, slot_bytes, [rank_fingerprint], track_holdings=track_holdings)

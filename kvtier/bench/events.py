@@ -18,6 +18,10 @@ from types import SimpleNamespace
 
 def run(num_blocks: int = 20_000, block_size: int = 32, blocks_per_request: int = 16, repeats: int = 3) -> dict:
     from kvtier.integrations.vllm.events import KVEvents
+    from kvtier.tiers.base import TierSpec
+
+    specs = [TierSpec("disk", "kvtier.tiers.disk", "/tmp/x"),
+             TierSpec("redis", "kvtier.tiers.redis", "redis://127.0.0.1:6379/0")]
 
     requests = []
     for r in range(num_blocks // blocks_per_request):
@@ -28,7 +32,7 @@ def run(num_blocks: int = 20_000, block_size: int = 32, blocks_per_request: int 
     keys = [[os.urandom(16) for _ in range(blocks_per_request)] for _ in requests]
     best = float("inf")
     for _ in range(repeats):
-        events = KVEvents({"disk": "/tmp/x", "redis": "redis://127.0.0.1:6379/0"}, max_unheld=num_blocks)
+        events = KVEvents(specs, max_unheld=num_blocks)
         began = time.perf_counter()
         out = 0
         for request, request_keys in zip(requests, keys):

@@ -42,9 +42,9 @@ class _TierPath:
     checksums (``IOPath.fill``), before the clock starts, as the store's copy from the device is."""
 
     def __init__(self, url: str, payload: np.ndarray):
-        from kvtier.tiers.registry import SCHEMES
+        from kvtier.tiers.registry import kind_of, module_of
 
-        name, module = SCHEMES[url.split("://")[0]]
+        name, module = kind_of(url).name, module_of(url)
         self.payload = payload
         self.path = IOPath(TierSpec(name, module, url, timeout_s=30.0, retry_s=1.0), len(payload), payload.shape[1])
 

@@ -29,7 +29,6 @@ from kvtier.keys import block_keys
 from kvtier.layout import detect_layout
 from kvtier.tiers.base import TierSpec
 from kvtier.tiers.disk import entries_file
-from kvtier.tiers.registry import DISK_MODULE
 from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer
@@ -130,7 +129,7 @@ def _disk(slots: np.ndarray, checksums: list[int], disk_dir: str | None, io_thre
     total = slots.nbytes
     keys = [i.to_bytes(16, "little") for i in range(len(slots))]
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvtier-bench-") as root:
-        path = IOPath(TierSpec("disk", DISK_MODULE, os.path.join(root, "tier"), threads=io_threads),
+        path = IOPath(TierSpec("disk", "kvtier.tiers.disk", os.path.join(root, "tier"), threads=io_threads),
                       len(slots), slots.shape[1])
         path.slots[:] = slots
         plain_path = os.path.join(root, "plain.bin")

@@ -18,13 +18,16 @@ list of tiers and name none of them.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+from urllib.parse import urlparse
 
+from kvtier.redact import redact
 from kvtier.tiers.audit import StoredAudit
 
 
@@ -122,7 +125,7 @@ def pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
 
 # What one I/O job moves by default: a load's jobs are copied to the device as each lands, while
 # the I/O process reads the next. A tier whose every call costs much besides its bytes (a
-# storage pool's round trips to its server) sets a larger ``JOB_BYTES`` in its module.
+# storage pool's round trips to its server) declares a larger ``job_bytes`` in its ``TierKind``.
 JOB_BYTES = 4 << 20
 
 
@@ -138,7 +141,49 @@ class TierSpec:
     retry_s: float = 10.0
     threads: int = 2
     options: dict = field(default_factory=dict)
-    job_bytes: int = JOB_BYTES  # about what one I/O job of this tier moves (the module's ``JOB_BYTES``)
+    job_bytes: int = JOB_BYTES  # about what one I/O job of this tier moves (its kind's ``job_bytes``)
+
+    @property
+    def kind(self) -> "TierKind":
+        """What the tier's module declares about it (``KIND``)."""
+        return importlib.import_module(self.module).KIND
+
+
+@dataclass(frozen=True)
+class TierKind:
+    """What a tier module declares about its tiers, as its ``KIND``: how their halves are built,
+    and everything the code around the core asks of a tier (KV events, ``kvtier doctor``,
+    namespace records), so that no tier name is compared outside ``kvtier/tiers``. The
+    registry maps URL schemes to modules; nothing else is needed to add a tier.
+
+    Required: ``name`` and the two builders. The rest says what the tier can do; None is
+    "cannot" and the caller does without it."""
+
+    name: str  # a tier's name by default ("disk"); a second one of the kind is "disk2", or its ``name=``
+    make_index: Callable[["TierSpec", int, Sequence[bytes]], "TierIndex"]  # (spec, slot_bytes, rank fingerprints)
+    make_store: Callable[["TierSpec", bytes, int], "TierStore"]  # (spec, rank fingerprint, slot_bytes)
+    # Other instances read and write it: KV events announce its blocks as REMOTE, owned by the pool's
+    # address (the same string on every instance), and removals are told only when a load meets them.
+    shared: bool = False
+    medium: str = "STORAGE"  # vLLM's KV events ``medium`` of its blocks
+    # A shared tier's identity in KV events: its address without credentials or options, the same
+    # string on every instance that reads it.
+    address: Callable[["TierSpec"], str] = lambda spec: redact(f"{urlparse(spec.location).hostname}:"
+                                                               f"{urlparse(spec.location).port}")
+    job_bytes: int | None = None  # about what one I/O job moves; None: the default (``JOB_BYTES``)
+    # From a ``tiers`` URL with kvtier's own options taken out: (location, capacity in bytes or None).
+    # None: the URL is the location, unbounded (the store's own limits apply).
+    place: Callable[[str], tuple[str, int | None]] | None = None
+    validate: Callable[[str], None] | None = None  # raise ValueError, saying why, for a URL it cannot use
+    # The directory the tier keeps entries in, for ``kvtier doctor``'s check of room and rights; None: none.
+    directory: Callable[["TierSpec"], str] | None = None
+    probe_spec: Callable[["TierSpec", bytes, int], "TierSpec"] | None = None  # a spec for doctor's one-block probe
+    notices: Callable[["TierSpec"], str] | None = None  # doctor: when routers hear of what the tier drops
+    # Namespace records (``kvtier.namespaces``) and questions asked as a process outside the engine.
+    write_record: Callable[["TierSpec", dict], bool] | None = None
+    read_records: Callable[["TierSpec"], list] | None = None
+    held_from_outside: Callable[["TierSpec", int, Sequence[bytes], Sequence[bytes]], set] | None = None
+    release_outside: Callable[["TierSpec"], None] | None = None
 
 
 class TierIndex(ABC):
@@ -164,6 +209,12 @@ class TierIndex(ABC):
     def holds(self, key: bytes) -> bool | None:
         """Whether the tier holds ``key``, from the index's own list, marking no use of it; None
         where only the tier can say (one that ``asks_the_tier``). For a guess that must be cheap."""
+        return None
+
+    def listing(self) -> tuple[str, set[bytes]] | None:
+        """For a tier of this instance's own that finds its entries again after a restart (the local
+        disk): a path beside them for the KV events' journal, and the keys it holds now. None: it
+        keeps no list across restarts, and a restart announces none of its blocks."""
         return None
 
     def prepare_load(self, keys: Sequence[bytes]) -> None:

@@ -25,6 +25,7 @@ The tier's two halves (``kvtier.tiers.base``):
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -33,9 +34,11 @@ import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
+from urllib.parse import parse_qs, unquote, urlparse
 
 from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
-from kvtier.tiers.base import TierIndex, TierSpec, TierStore, WriteBackOff, pwritev_all
+from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, pwritev_all
+from kvtier.units import parse_bytes
 
 logger = logging.getLogger("kvtier.disk")
 
@@ -151,12 +154,10 @@ class DiskIndex(TierIndex):
     def holds(self, key: bytes) -> bool:
         return key in self._ready
 
-    def ready_keys(self) -> set[bytes]:
-        return set(self._ready)
-
-    def file_path(self) -> Path:
-        """This instance's entries file (of the first rank)."""
-        return entries_file(self.root, self.rank_fingerprints[0], self.file_number)
+    def listing(self) -> tuple[str, set[bytes]]:
+        """The journal goes beside this instance's entries file (of the first rank): each instance on
+        one directory has a file, and a journal, of its own."""
+        return f"{entries_file(self.root, self.rank_fingerprints[0], self.file_number)}.events", set(self._ready)
 
     def location(self, key: bytes) -> int:
         return (self.file_number << FILE_BITS) | self._place_of[key]
@@ -306,6 +307,35 @@ def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequen
     return held.intersection(keys)
 
 
+def _place(url: str) -> tuple[str, int | None]:
+    """``disk:///var/cache/kvtier?max_bytes=100GiB``: the directory, and its bound (None: ``disk_bytes``)."""
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"a disk:// URL names a local directory (disk:///path), not host {parsed.netloc!r}")
+    if not parsed.path.startswith("/"):
+        raise ValueError("a disk:// URL needs an absolute path: disk:///var/cache/kvtier")
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    unknown = set(query) - {"max_bytes"}
+    if unknown:
+        raise ValueError(f"unknown disk:// option(s) {sorted(unknown)}; known: max_bytes")
+    bound = parse_bytes(query["max_bytes"]) if "max_bytes" in query else None
+    if bound is not None and bound <= 0:
+        raise ValueError("max_bytes must be > 0")
+    return unquote(parsed.path), bound
+
+
+def _validate(url: str) -> None:
+    from kvtier.config import usable_directory
+
+    usable_directory(_place(url)[0])
+
+
+def _probe_spec(spec: TierSpec, fingerprint: bytes, slot_bytes: int) -> TierSpec:
+    """The store writes into a file its index made: the probe's own, sized for one place."""
+    DiskIndex(spec.location, HEADER_BYTES + slot_bytes, slot_bytes, [fingerprint]).close()
+    return dataclasses.replace(spec, timeout_s=10.0)
+
+
 RUN_BYTES = 4 << 20  # at most one vectored write: a job's size (``kvtier.worker.jobs``)
 RUN_ENTRIES = 512  # two buffers each: within IOV_MAX (1,024 on Linux)
 
@@ -426,3 +456,8 @@ class DiskStore(TierStore):
 
     def close(self) -> None:
         _close_all(list(self._fds.values()))
+
+
+KIND = TierKind("disk", make_index, make_store, place=_place, validate=_validate, directory=lambda spec: spec.location,
+                probe_spec=_probe_spec, write_record=write_record, read_records=read_records,
+                held_from_outside=held_from_outside)

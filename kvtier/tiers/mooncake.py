@@ -26,8 +26,9 @@ import socket
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
-from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, Spans, make_pool_index, outside_calls
+from kvtier.tiers.base import TierKind, TierSpec
+from kvtier.tiers.pool import (PoolClient, PoolStore, PoolUnavailable, Spans, make_pool_index, outside_calls,
+                               unpublished_notice)
 from kvtier.units import parse_bytes
 
 _OBJECT_NOT_FOUND = -704  # a batch get's code for a key the store does not hold (Mooncake's ErrorCode)
@@ -143,3 +144,8 @@ class MooncakeClient(PoolClient):
 
     def close(self) -> None:
         self._store.close()
+
+
+KIND = TierKind("mooncake", make_index, make_store, shared=True, job_bytes=JOB_BYTES, validate=validate,
+                notices=unpublished_notice, write_record=write_record, read_records=read_records,
+                held_from_outside=held_from_outside, release_outside=release_outside)

@@ -313,38 +313,40 @@ def close_quietly(client: PoolClient) -> None:
         pass
 
 
-def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> ExistenceIndex:
+class PoolIndex(ExistenceIndex):
     """The index asks the pool through a store in a lookup process of its own (``kvtier.io``):
     a client on a thread of the scheduler's process needs the GIL after every call into the
     network, and an engine's busy loop holds it (in vLLM's one-process layout the check's answer
     would wait for the loop's GIL switch interval, call after call). The store's client there is guarded as
     every pool client is: down or past ``timeout_s``, a check is a miss."""
-    from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
 
-    ranks = list(rank_fingerprints)
-    prefixes = [pool_key(fp, b"") for fp in ranks]  # "kvtier/<rank>/": the names of this layout's blocks
-    watched = dataclasses.replace(spec, options={**spec.options, "gone_prefixes": prefixes})
-    lookups = IOProcess(None, [watched], bytes(16), None, drain_s=0.0)
-    down = [0]  # the store's count, as of its last answer
+    def __init__(self, spec: TierSpec, rank_fingerprints: Sequence[bytes]):
+        from kvtier.io.client import IOProcess  # the I/O process itself builds stores, not indexes
 
-    def start(keys: list[bytes]) -> _PoolCheck:
-        return _PoolCheck(lookups.check(spec.name, [pool_key(fp, key) for key in keys for fp in ranks]), len(ranks),
-                          down)
+        ranks = list(rank_fingerprints)
+        prefixes = [pool_key(fp, b"") for fp in ranks]  # "kvtier/<rank>/": the names of this layout's blocks
+        watched = dataclasses.replace(spec, options={**spec.options, "gone_prefixes": prefixes})
+        self.lookups = IOProcess(None, [watched], bytes(16), None, drain_s=0.0)
+        self._down = [0]  # the store's count, as of its last answer
 
-    index = ExistenceIndex(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
-                           wait=lookups.wait_until, **index_timings(spec))
-    index.lookups = lookups
-    lookups.on_gone = lambda names: index.told_gone(_keys_of(names))
-    gone = index.stats
-    index.stats = lambda: {**gone(), "down": down[0]}
-    close = index.close
+        def start(keys: list[bytes]) -> _PoolCheck:
+            return _PoolCheck(self.lookups.check(spec.name, [pool_key(fp, key) for key in keys for fp in ranks]),
+                              len(ranks), self._down)
 
-    def close_both():
-        close()
-        lookups.close(0.0)
+        super().__init__(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
+                         wait=self.lookups.wait_until, **index_timings(spec))
+        self.lookups.on_gone = lambda names: self.told_gone(_keys_of(names))
 
-    index.close = close_both
-    return index
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "down": self._down[0]}
+
+    def close(self) -> None:
+        super().close()
+        self.lookups.close(0.0)
+
+
+def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> PoolIndex:
+    return PoolIndex(spec, rank_fingerprints)
 
 
 def _keys_of(names: Sequence[str]) -> list[bytes]:
@@ -460,6 +462,14 @@ def read_pool_records(spec: TierSpec, connect: Callable[[], PoolClient]) -> list
         except ValueError:
             continue
     return records
+
+
+def unpublished_notice(spec: TierSpec, why: str = "it publishes no evictions") -> str:
+    """``kvtier doctor``'s line for a pool whose evictions are not heard as they come."""
+    audit_s = spec.options.get("audit_s", 0)
+    later = (f"within {audit_s:g} s (remote_audit_s) or when a load finds the block gone" if audit_s else
+             "when a load finds the block gone")
+    return f"; {why}: routers hear of them {later}"
 
 
 def outside_calls(connector: Callable[[TierSpec], Callable[[], PoolClient]]):

@@ -25,8 +25,9 @@ from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
 from kvtier.redact import redact
-from kvtier.tiers.base import TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, close_quietly, make_pool_index, outside_calls
+from kvtier.tiers.base import TierKind, TierSpec
+from kvtier.tiers.pool import (PoolClient, PoolStore, close_quietly, make_pool_index, outside_calls,
+                               unpublished_notice)
 
 logger = logging.getLogger("kvtier.pool")
 
@@ -330,3 +331,30 @@ class _ValueReader:
         if self._line():
             raise ConnectionError("a value longer than its length")
         return fits
+
+
+def _notices(spec: TierSpec) -> str:
+    """Whether the server publishes its evictions and expiries, which routers then hear at once."""
+    if urlparse(spec.location).scheme.endswith("+cluster"):
+        return unpublished_notice(spec)
+    import redis
+
+    client = redis.Redis.from_url(spec.location, socket_timeout=spec.timeout_s, socket_connect_timeout=spec.timeout_s)
+    try:
+        missing = unpublished(client)
+    except Exception:  # the probe's block went through: a question the server does not answer is no failure
+        return ""
+    finally:
+        client.close()
+    return ("; its evictions and expiries are published (routers hear of them at once)" if missing is None else
+            unpublished_notice(spec, f"its evictions and expiries are not published ({missing})"))
+
+
+def _address(spec: TierSpec) -> str:
+    parsed = urlparse(spec.location)
+    return redact(f"{parsed.hostname}:{parsed.port}{parsed.path}")  # the database number is part of it
+
+
+KIND = TierKind("redis", make_index, make_store, shared=True, validate=validate, notices=_notices, address=_address,
+                write_record=write_record, read_records=read_records, held_from_outside=held_from_outside,
+                release_outside=release_outside)

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvtier._native import stat_batch
 from kvtier.entry import HEADER_BYTES
-from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierSpec, index_timings
+from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierKind, TierSpec, index_timings
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 from kvtier.units import parse_bytes
 
@@ -248,3 +248,9 @@ class SharedDirStore(EntryFiles):
             self._used = used
         logger.info("kvtier: shared directory %s over %d bytes: %d oldest entries deleted", self.root,
                     self.max_bytes, removed)
+
+
+KIND = TierKind("file", make_index, make_store, shared=True, validate=validate,
+                address=lambda spec: _directory_and_bound(spec.location)[0],
+                directory=lambda spec: _directory_and_bound(spec.location)[0],
+                write_record=write_record, read_records=read_records, held_from_outside=held_from_outside)

@@ -19,6 +19,7 @@ from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry, worker_rank
 from kvtier.integrations.vllm.shutdown_drain import DrainServer
+from kvtier.tiers.registry import tier_specs
 
 
 class KVTierConnector(VllmCompat, KVConnectorBase_V1):
@@ -28,9 +29,10 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         extra_config = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.kvtier_config = KVTierConfig.from_sources(extra_config)  # fails at start-up, naming the key
         kv_role = self._kv_transfer_config.kv_role
-        if kv_role in ("kv_producer", "kv_consumer") and not self.kvtier_config.remote_url:
+        if kv_role in ("kv_producer", "kv_consumer") and not any(spec.kind.shared for spec in
+                                                                 tier_specs(self.kvtier_config)):
             raise ValueError(f"kvtier config: kv_role {kv_role!r} hands KV through the pool, so key 'remote_url' "
-                             f"must name one (mooncake://... or redis://...)")
+                             f"(or an entry of 'tiers') must name one (mooncake://... or redis://...)")
         geometry = engine_geometry(vllm_config, kv_cache_config, self.kvtier_config)
         self._scheduler_side = None
         self._drain: DrainServer | None = None

@@ -6,9 +6,10 @@ holdings log (a block became loadable from a tier, or stopped being) into the sa
 events, under vLLM's own block hashes, parent hash, token ids, block size, LoRA and
 extra keys, so a router that reads vLLM's events needs no change:
 
-- ``medium``: ``CPU`` for the host pool, ``STORAGE`` for the disk, a shared directory
-  and the storage pools;
-- ``locality``: ``LOCAL`` for this instance's own tiers, ``REMOTE`` for shared ones;
+- ``medium``: ``CPU`` for the host pool, and the medium each tier declares (``STORAGE``
+  for the disk, a shared directory and the storage pools);
+- ``locality``: ``LOCAL`` for this instance's own tiers, ``REMOTE`` for those its kind
+  declares shared;
 - ``ownership``: ``kvtier:<tier>``, and for a shared tier ``kvtier:<tier>:<pool>``
   (its address, no password), the same string on every instance that reads it.
 
@@ -24,12 +25,6 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from urllib.parse import urlparse
-
-from kvtier.redact import redact
-
-SHARED_TIERS = ("file", "redis", "mooncake")
-
 
 @dataclass(frozen=True)
 class BlockMeta:
@@ -41,43 +36,39 @@ class BlockMeta:
     extra_keys: object
 
 
-def pool_name(location: str) -> str:
-    """A shared tier's identity: its address without credentials or query."""
-    parsed = urlparse(location)
-    if parsed.scheme == "file":
-        return parsed.path
-    return redact(f"{parsed.hostname}:{parsed.port}{parsed.path if parsed.scheme.startswith('redis') else ''}")
-
-
 class KVEvents:
     """Builds vLLM events from kvtier's holdings. Lives in the scheduler; one thread."""
 
-    def __init__(self, tier_locations: dict[str, str], max_unheld: int = 100_000, journal: "DiskJournal | None" = None):
+    def __init__(self, specs, max_unheld: int = 100_000, journals: "dict[str, DiskJournal] | None" = None):
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         self._stored, self._removed = BlockStored, BlockRemoved
         fields = set(getattr(BlockStored, "__struct_fields__", ()))
         self._has_locality = "locality" in fields and "ownership" in fields
         self._where = {"host": ("CPU", "LOCAL", "kvtier:host")}
-        for name, location in tier_locations.items():
-            shared = name in SHARED_TIERS
-            self._where[name] = ("STORAGE", "REMOTE" if shared else "LOCAL",
-                                 f"kvtier:{name}:{pool_name(location)}" if shared else f"kvtier:{name}")
+        self._shared = {spec.name for spec in specs if spec.kind.shared}  # ``specs``: the tiers' ``TierSpec``s
+        for spec in specs:
+            shared = spec.name in self._shared
+            self._where[spec.name] = (spec.kind.medium, "REMOTE" if shared else "LOCAL",
+                                      f"kvtier:{spec.name}:{spec.kind.address(spec)}" if shared else
+                                      f"kvtier:{spec.name}")
         self._meta: dict[bytes, BlockMeta] = {}
         self._held_in: dict[bytes, set[str]] = {}  # announced in a local tier: key -> those tiers
         # Keys with metadata that no local tier holds, oldest first: at most ``max_unheld`` of them.
         # A held key's metadata is kept until its last removal is told (a router must hear it).
         self._unheld: OrderedDict[bytes, None] = OrderedDict()
         self.max_unheld = max_unheld
-        self.journal = journal  # the disk tier's blocks' metadata, for a restart to announce them
+        # Per tier that lists its entries across restarts (the disk): its blocks' metadata, for a
+        # restart to announce them.
+        self.journals = journals or {}
 
     @classmethod
     def of(cls, manager) -> "KVEvents":
-        """Events for ``manager``'s (a ``TierManager``'s) tiers; a disk tier keeps a journal beside its
-        entries, so that a restart announces what the disk holds."""
-        disk = next((tier for tier in manager.tiers if tier.name == "disk"), None)
-        journal = None if disk is None else DiskJournal(str(disk.file_path()) + ".events", disk.ready_keys())
-        return cls({spec.name: spec.location for spec in manager.specs}, journal=journal)
+        """Events for ``manager``'s (a ``TierManager``'s) tiers; a tier that lists its entries across
+        restarts (``TierIndex.listing``) keeps a journal beside them, so that a restart announces them."""
+        listings = {tier.name: tier.listing() for tier in manager.tiers}
+        return cls(manager.specs, journals={name: DiskJournal(*listing) for name, listing in listings.items()
+                                            if listing is not None})
 
     def remember(self, request, keys: list[bytes], first_block: int, block_size: int) -> None:
         """vLLM's metadata of ``keys``, the request's blocks from ``first_block`` on."""
@@ -106,7 +97,8 @@ class KVEvents:
                 continue
             medium, locality, ownership = self._where[tier]
             where = {"locality": locality, "ownership": ownership} if self._has_locality else {}
-            shared = tier in SHARED_TIERS
+            shared = tier in self._shared
+            journal = self.journals.get(tier)
             if kind == "stored":
                 out.append(self._stored(block_hashes=[meta.block_hash], parent_block_hash=meta.parent_hash,
                                         token_ids=list(meta.token_ids), block_size=block_size, lora_id=meta.lora_id,
@@ -115,12 +107,12 @@ class KVEvents:
                 if not shared:
                     self._held_in.setdefault(key, set()).add(tier)
                     self._unheld.pop(key, None)
-                if tier == "disk" and self.journal is not None and not announcing:
-                    self.journal.append(key, meta)
+                if journal is not None and not announcing:
+                    journal.append(key, meta)
             elif shared or tier in self._held_in.get(key, ()):
                 out.append(self._removed(block_hashes=[meta.block_hash], medium=medium, **where))
-                if tier == "disk" and self.journal is not None:
-                    self.journal.drop(key)
+                if journal is not None:
+                    journal.drop(key)
                 tiers = self._held_in.get(key)
                 if tiers is not None:
                     tiers.discard(tier)
@@ -130,13 +122,19 @@ class KVEvents:
         return out
 
     def announce_journal(self, block_size: int) -> list:
-        """The disk blocks a previous process left, from its journal: a batch per call."""
-        if self.journal is None:
-            return []
-        found = self.journal.take_found()
-        for key, meta in found:
-            self._meta.setdefault(key, meta)
-        return self.events([("stored", "disk", key) for key, _ in found], block_size, announcing=True)
+        """The blocks a previous process left in the tiers that list theirs, from their journals: a
+        batch per tier per call."""
+        out = []
+        for tier, journal in self.journals.items():
+            found = journal.take_found()
+            for key, meta in found:
+                self._meta.setdefault(key, meta)
+            out += self.events([("stored", tier, key) for key, _ in found], block_size, announcing=True)
+        return out
+
+    def close(self) -> None:
+        for journal in self.journals.values():
+            journal.close()
 
     @property
     def num_tracked(self) -> int:
@@ -160,8 +158,8 @@ def _extra_keys(request, block: int, block_size: int):
 
 
 class DiskJournal:
-    """What a restart needs to announce the disk tier's blocks: vLLM's metadata of each block
-    written to disk, appended to ``<disk tier file>.events`` (msgpack records, never pickled) on
+    """What a restart needs to announce a disk tier's blocks: vLLM's metadata of each block
+    written to it, appended to ``<disk tier file>.events`` (msgpack records, never pickled) on
     a thread of its own, never the scheduler's. At start the journal is read on that thread,
     kept to the blocks the disk still holds (rewritten), and those are announced, ``batch`` at
     a time, with the engine's next steps."""

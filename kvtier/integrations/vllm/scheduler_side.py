@@ -221,8 +221,8 @@ class SchedulerSide:
             logger.warning("kvtier: shutdown: %d blocks of %d finished requests not stored: no host slot freed "
                            "for them before the engine stopped (shutdown_flush_s=%.1f s)",
                            self.stores.num_unstored, self.num_finishing, self.config.shutdown_flush_s)
-        if self._events is not None and self._events.journal is not None:
-            self._events.journal.close()
+        if self._events is not None:
+            self._events.close()
         if self.manager is not None:
             self.manager.close()
 
