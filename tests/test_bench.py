@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import layerwise
+from kvtier.cli.bench import layerwise
 
 
 def test_bench_transfer_reports_every_promised_key(tmp_path):
@@ -23,7 +23,7 @@ def test_bench_transfer_reports_every_promised_key(tmp_path):
 def test_the_disk_hit_bench_loads_exact_bytes_from_disk_then_host_and_reports_its_peers(tmp_path):
     """``bench transfer --device cuda``'s disk hit, run on the CPU: the same steps (store, push
     out of the host pool, a disk hit, a host hit), each load checked byte for byte."""
-    from kvtier.bench import transfer_cuda
+    from kvtier.cli.bench import transfer_cuda
 
     result = transfer_cuda.disk_hit(str(tmp_path), num_moved=8, num_layers=3, repeats=2, device="cpu")
     assert result["disk_hit_exact"] and result["disk_hit_blocks"] == 8

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvtier.layout import detect_layout
+from kvtier.common.layout import detect_layout
 from kvtier.transfer.broadcast import ShardedBroadcaster
 from kvtier.worker import tensor_info
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtier.config import ConfigError, KVTierConfig, parse_bytes
+from kvtier.common.config import ConfigError, KVTierConfig, parse_bytes
 
 
 def test_defaults_need_no_input():

@@ -15,7 +15,7 @@ import torch
 
 from test_tiering import VLLM_LAYOUTS, vllm_layer_views
 
-from kvtier.layout import detect_layout
+from kvtier.common.layout import detect_layout
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer
 from kvtier.worker import tensor_info

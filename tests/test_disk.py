@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.entry import HEADER_BYTES
+from kvtier.common.entry import HEADER_BYTES
 from kvtier.tiers.disk import DiskIndex, DiskStore, entries_file
 from kvtier.tiers.entry_files import EntryFiles
 from tests.damage import flip_byte

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import markdown_table
+from kvtier.common.config import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.servers import free_port, local_mooncake, local_redis
+from kvtier.cli.servers import free_port, local_mooncake, local_redis
 from tests.e2e.apps import ROOT
 
 
@@ -89,7 +89,7 @@ def test_which_tier_holds_each_block_of_a_prompt_and_why_not(tmp_path):
     tells, block by block, where each is, or why it is nowhere."""
     import random
 
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     from tests.e2e import apps
 
     model = str(make_model(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))

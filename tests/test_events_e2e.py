@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.servers import free_port, local_mooncake, local_redis
+from kvtier.cli.servers import free_port, local_mooncake, local_redis
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -26,7 +26,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     return str(make_model(workdir / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1))
 
 

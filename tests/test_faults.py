@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.config import ConfigError, KVTierConfig
-from kvtier.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis
+from kvtier.common.config import ConfigError, KVTierConfig
 from kvtier.tiers.base import TierSpec
 from tests.e2e.apps import ROOT
 
@@ -280,7 +280,7 @@ def test_a_full_shared_directory_written_by_many_threads_makes_room_and_fails_no
 
     import numpy as np
 
-    from kvtier.entry import HEADER_BYTES
+    from kvtier.common.entry import HEADER_BYTES
     from kvtier.tiers.shared_dir import SharedDirStore
 
     with _tmpfs(tmp_path / "fs", "2m") as fs:
@@ -546,7 +546,7 @@ def test_a_mooncake_pool_that_is_down_never_stops_the_processs_other_threads():
     import importlib
     import threading
 
-    from kvtier.servers import free_port
+    from kvtier.cli.servers import free_port
     from kvtier.tiers.mooncake import MooncakeClient
     from kvtier.tiers.pool import GuardedClient
 

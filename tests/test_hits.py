@@ -1,7 +1,7 @@
 """Hit tokens count what a load delivered: when every worker has reported it, less its failed blocks."""
 
-from kvtier.hits import LoadHits
-from kvtier.plans import JobReport, LoadJob
+from kvtier.common.plans import JobReport, LoadJob
+from kvtier.scheduler.hits import LoadHits
 
 
 def load(job_id, ready, fills, final=True, missing=()):

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.entry import checksum
+from kvtier.common.entry import checksum
 from kvtier.tiers.disk import DiskStore, entries_in
 from tests.test_tiering import Engine, keys_of, layouts, randomize
 
@@ -254,7 +254,7 @@ def test_the_host_pool_is_on_huge_pages_in_the_worker_and_in_its_io_process(tmp_
     (MADV_COLLAPSE), whatever ``shmem_enabled`` says short of ``deny``, the pool's whole 2 MiB pages
     are huge in both processes, each mapped with one entry (ShmemPmdMapped); the bytes past the
     last whole one stay on small pages."""
-    from kvtier.bench.io_path import IOPath
+    from kvtier.cli.bench.io_path import IOPath
     from kvtier.tiers.base import TierSpec
 
     spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), options={"write": True, "entry_key_file": None})
@@ -274,7 +274,7 @@ def test_the_host_pool_is_on_huge_pages_in_the_worker_and_in_its_io_process(tmp_
 _LEADER_SCRIPT = textwrap.dedent("""
     import dataclasses, os, socket, sys, threading, time
     import numpy as np
-    from kvtier.host_slots import HostSlots
+    from kvtier.common.host_slots import HostSlots
     from kvtier.io import process
     from kvtier.io.messages import Job, Outcome, Ready, Setup, receive, send
     from kvtier.tiers.base import TierSpec
@@ -434,7 +434,7 @@ def test_a_read_is_taken_before_the_writes_queued_ahead_of_it(tmp_path):
     the writes queued before it (in arrival order it would come after five of them)."""
     import threading
 
-    from kvtier.bench.io_path import IOPath
+    from kvtier.cli.bench.io_path import IOPath
     from kvtier.tiers.base import TierSpec
 
     spec = TierSpec("disk", "kvtier.tiers.disk", str(tmp_path), threads=2,
@@ -475,8 +475,8 @@ def test_a_read_is_taken_before_the_writes_queued_ahead_of_it(tmp_path):
 def test_a_pool_store_connects_when_its_process_starts_not_at_its_first_job():
     from redis import Redis
 
+    from kvtier.cli.servers import local_redis
     from kvtier.io.client import IOProcess
-    from kvtier.servers import local_redis
     from kvtier.tiers.base import TierSpec
 
     with local_redis() as server:
@@ -517,8 +517,8 @@ def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, key
     keyed tags, and every entry loads."""
     import contextlib
 
-    from kvtier.bench.io_path import IOPath
-    from kvtier.servers import local_mooncake, local_redis
+    from kvtier.cli.bench.io_path import IOPath
+    from kvtier.cli.servers import local_mooncake, local_redis
     from kvtier.tiers.base import TierSpec
     from kvtier.tiers.registry import kind_of, module_of
 

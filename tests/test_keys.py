@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import KEY_BYTES, Namespace, block_keys
+from kvtier.common.keys import KEY_BYTES, Namespace, block_keys
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="kv", geometry=(2, 64), num_layers=4, block_size=4)
 FP = NS.fingerprint()
@@ -52,7 +52,7 @@ def test_continuing_a_chain_equals_keying_all_at_once(tokens, block_size):
 
 
 def test_same_keys_in_another_process_whatever_the_hash_seed():
-    code = ("from kvtier.keys import Namespace, block_keys;"
+    code = ("from kvtier.common.keys import Namespace, block_keys;"
             "ns = Namespace('m', 'bfloat16', 'kv', (2, 64), 4, 4);"
             "print(b''.join(block_keys(ns.fingerprint(), list(range(50)), 4, ('salt',), True)).hex())")
     outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
@@ -71,7 +71,7 @@ def test_a_models_fingerprint_follows_its_content_not_its_name_or_dates(tmp_path
     import os
     import shutil
 
-    from kvtier.model_identity import SAMPLE_BYTES, directory_fingerprint, model_fingerprint
+    from kvtier.common.model_identity import SAMPLE_BYTES, directory_fingerprint, model_fingerprint
 
     model = tmp_path / "model"
     model.mkdir()

@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier._native import copy_runs
-from kvtier.entry import checksum
-from kvtier.layout import LayoutError, TensorInfo, coalesce, detect_layout
+from kvtier.common.entry import checksum
+from kvtier.common.layout import LayoutError, TensorInfo, coalesce, detect_layout
 from kvtier.worker import tensor_info
 
 NB, BS = 10, 4

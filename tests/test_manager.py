@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.config import KVTierConfig
-from kvtier.entry import HEADER_BYTES
-from kvtier.ledger import Ledger
-from kvtier.manager import TierManager
-from kvtier.plans import JobReport, LoadJob
+from kvtier.common.config import KVTierConfig
+from kvtier.common.entry import HEADER_BYTES
+from kvtier.common.plans import JobReport, LoadJob
+from kvtier.scheduler.ledger import Ledger
+from kvtier.scheduler.manager import TierManager
 
 SLOT_BYTES = 64
 FINGERPRINT = b"\x01" * 16

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kvtier import namespaces
-from kvtier.keys import Namespace, block_keys
+from kvtier.common import namespaces
+from kvtier.common.keys import Namespace, block_keys
 from kvtier.tiers.base import TierSpec
 from kvtier.tiers.registry import make_index, make_store, release_outside
 
@@ -30,7 +30,7 @@ def tier_of(kind: str, tmp_path):
     elif kind == "file":
         yield TierSpec("file", "kvtier.tiers.shared_dir", f"file://{tmp_path / 'shared'}")
     else:
-        from kvtier.servers import local_mooncake, local_redis
+        from kvtier.cli.servers import local_mooncake, local_redis
         with (local_redis if kind == "redis" else local_mooncake)(log_path=str(tmp_path / f"{kind}.log")) as server:
             yield TierSpec(kind, f"kvtier.tiers.{kind}", server.url, timeout_s=5)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +37,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     return str(make_model(workdir / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1))
 
 
@@ -193,7 +193,7 @@ def _wait(path: Path, timeout: float = 300):
 
 def tokenized_model(workdir) -> str:
     """A model with a tokenizer whose words are its tokens, for ``vllm serve`` (text prompts)."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     return str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=1))
 
@@ -222,7 +222,7 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
     import os
     import signal
 
-    from kvtier.demo.model import words
+    from kvtier.cli.demo.model import words
     from tests.e2e.servers import http_json, kvtier_metrics, kvtier_proxy, vllm_server
 
     model = tokenized_model(workdir)
@@ -279,7 +279,7 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     import signal
     import urllib.error
 
-    from kvtier.demo.model import words
+    from kvtier.cli.demo.model import words
     from tests.e2e.servers import http_json, kvtier_proxy, stream_completion, vllm_server
 
     model = tokenized_model(workdir)

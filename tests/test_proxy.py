@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from kvtier.servers import free_port
+from kvtier.cli.servers import free_port
 from tests.e2e.servers import kvtier_proxy as proxy
 from tests.e2e.servers import stream_completion
 

@@ -33,7 +33,7 @@ def test_the_readme_has_runnable_blocks():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     return str(make_model(tmp_path_factory.mktemp("readme") / "model", num_layers=2, hidden_size=256, num_heads=4,
                           num_kv_heads=4))
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.config import KVTierConfig
-from kvtier.entry import HEADER_BYTES, encode_header
-from kvtier.keys import Namespace
-from kvtier.manager import TierManager
-from kvtier.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis
+from kvtier.common.config import KVTierConfig
+from kvtier.common.entry import HEADER_BYTES, encode_header
+from kvtier.common.keys import Namespace
+from kvtier.scheduler.manager import TierManager
 from kvtier.tiers.base import TierSpec
 from kvtier.tiers.pool import pool_key
 from kvtier.worker import TierWorker
@@ -572,12 +572,12 @@ class _Calls:
 
 
 def test_mooncake_entries_move_in_one_piece_beside_their_headers_and_in_two_apart(tmp_path):
-    """A CPU worker's slots have heads (``kvtier.host_slots``): an entry, header then block, is put
+    """A CPU worker's slots have heads (``kvtier.common.host_slots``): an entry, header then block, is put
     and got as one buffer. A CUDA worker's do not: two buffers per entry. Both write the same
     entries: each reads, byte-exact, what the other wrote, and checks it."""
     import numpy as np
 
-    from kvtier.host_slots import HostSlots
+    from kvtier.common.host_slots import HostSlots
     from kvtier.tiers.registry import make_store
 
     slot_bytes, num_slots = 3 * 4096 + 64, 6

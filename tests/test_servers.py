@@ -43,7 +43,7 @@ def test_the_local_pools_servers_listen_on_loopback_only(kind, tmp_path):
     """The master, its metadata and metrics servers, and redis-server: every listening socket
     of theirs is on 127.0.0.1. (Mooncake's transfer engine, inside the storage node and each
     client, opens listeners on every interface that no setting moves: docs/operations.md says so.)"""
-    from kvtier.servers import local_mooncake, local_redis
+    from kvtier.cli.servers import local_mooncake, local_redis
 
     context = local_mooncake if kind == "mooncake" else local_redis
     with context(log_path=str(tmp_path / "pool.log")) as server:

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from kvtier.config import ConfigError, KVTierConfig
-from kvtier.entry import HEADER_BYTES
+from kvtier.common.config import ConfigError, KVTierConfig
+from kvtier.common.entry import HEADER_BYTES
 from kvtier.tiers.disk import entries_in
 from kvtier.tiers.entry_files import entry_path
 from tests.damage import flip_byte

@@ -15,8 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtier"
 MAX_CLASS_LINES = 250
 # The scheduler's half and the I/O process's: they run without torch and without any engine.
-TORCH_FREE = ["kvtier.manager", "kvtier.completions", "kvtier.lookups", "kvtier.load_waves", "kvtier.ledger",
-              "kvtier.hits", "kvtier.plans", "kvtier.keys", "kvtier.config", "kvtier.entry", "kvtier.namespaces",
+TORCH_FREE = ["kvtier.scheduler.manager", "kvtier.scheduler.completions", "kvtier.scheduler.lookups",
+              "kvtier.scheduler.load_waves", "kvtier.scheduler.ledger", "kvtier.scheduler.hits", "kvtier.common.plans",
+              "kvtier.common.keys", "kvtier.common.config", "kvtier.common.entry", "kvtier.common.namespaces",
               "kvtier.tiers.registry", "kvtier.tiers.host", "kvtier.tiers.disk", "kvtier.tiers.shared_dir",
               "kvtier.tiers.mooncake", "kvtier.tiers.redis", "kvtier.io.process", "kvtier.io.client"]
 
@@ -97,30 +98,40 @@ def _importers_of(prefix: str) -> set[str]:
 
 
 def test_only_the_engine_integration_and_the_engine_harness_import_vllm():
-    assert {m for m in _importers_of("vllm") if not m.startswith(("kvtier.integrations.vllm", "kvtier.demo"))} == set()
+    assert {m for m in _importers_of("vllm") if not m.startswith(("kvtier.integrations.vllm", "kvtier.cli.demo"))} == set()
 
 
-def test_nothing_but_the_command_line_and_the_benchmarks_import_the_benchmarks():
-    assert {m for m in _importers_of("kvtier.bench") if not m.startswith("kvtier.bench")} == {"kvtier.cli"}
+def test_the_product_imports_none_of_its_commands():
+    """``kvtier.cli`` holds the commands (the demo and its engine harness, the benchmarks, the local
+    pools, the proxy, the doctor): what runs inside an engine and the I/O process runs without them."""
+    assert {m for m in _importers_of("kvtier.cli") if not m.startswith("kvtier.cli")} == set()
 
 
-def test_the_core_does_not_import_the_engine_harness():
-    """``kvtier.demo`` runs engines for the demo, the benchmarks and the tests: the product runs without it."""
-    users = {m for m in _importers_of("kvtier.demo") if not m.startswith(("kvtier.demo", "kvtier.bench"))}
-    assert users <= {"kvtier.cli"}
+def test_the_worker_side_and_the_scheduler_side_import_nothing_of_each_other():
+    """They meet in the plans (``kvtier.common.plans``) and the engine's adapter, never directly."""
+    crossing = {(m, other) for side, other in (("kvtier.worker", "kvtier.scheduler"), ("kvtier.scheduler", "kvtier.worker"))
+                for m in _importers_of(other) if m.startswith(side)}
+    assert crossing == set()
+
+
+def test_the_shared_types_import_no_side():
+    """``kvtier.common`` is what every side builds on: it imports none of them."""
+    sides = ("kvtier.scheduler", "kvtier.worker", "kvtier.io", "kvtier.transfer", "kvtier.integrations", "kvtier.cli")
+    found = {(m, side) for side in sides for m in _importers_of(side) if m.startswith("kvtier.common")}
+    assert found == set()
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_the_scheduler_and_io_halves_load_without_torch_or_an_engine(module):
     code = (f"import sys, importlib; importlib.import_module({module!r}); "
-            "print(sorted(m for m in ('torch', 'vllm', 'kvtier.bench', 'kvtier.demo') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'vllm', 'kvtier.cli.bench', 'kvtier.cli.demo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 # The commands that start or time tiers by kind (a local pool for the demo, a benchmark of each
 # tier), and the shorthand's own vocabulary (``store_to``: disk, remote) in the configuration.
-TIER_NAMES_ALLOWED_IN = ("kvtier.tiers", "kvtier.bench", "kvtier.demo", "kvtier.cli", "kvtier.servers")
+TIER_NAMES_ALLOWED_IN = ("kvtier.tiers", "kvtier.cli")
 
 
 def test_no_tier_is_named_outside_its_own_module():
@@ -136,6 +147,6 @@ def test_no_tier_is_named_outside_its_own_module():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and (node.value in names or (
-                    node.value == "disk" and module != "kvtier.config")):
+                    node.value == "disk" and module != "kvtier.common.config")):
                 found.append(f"{module}:{node.lineno}: {node.value!r}")
     assert not found

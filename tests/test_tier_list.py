@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvtier.config import ConfigError, KVTierConfig
+from kvtier.common.config import ConfigError, KVTierConfig
 from kvtier.tiers.registry import tier_specs
 from tests.test_tiering import Engine, keys_of, layouts, randomize
 

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from kvtier.config import KVTierConfig
-from kvtier.entry import HEADER_BYTES
-from kvtier.keys import Namespace
-from kvtier.manager import TierManager
+from kvtier.common.config import KVTierConfig
+from kvtier.common.entry import HEADER_BYTES
+from kvtier.common.keys import Namespace
+from kvtier.scheduler.manager import TierManager
 from kvtier.tiers.disk import entries_file
 from kvtier.worker import TierWorker
 

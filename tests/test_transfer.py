@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.entry import checksum
-from kvtier.layout import detect_layout
+from kvtier.common.entry import checksum
+from kvtier.common.layout import detect_layout
 from kvtier.transfer.cpu import CpuCopier
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.transfer.host_buffer import allocate_host_buffer

@@ -139,7 +139,7 @@ def test_sleep_mode_drains_refuses_copies_and_rebinds_to_the_remapped_cache(disk
 
 
 def test_suspending_waits_for_copies_in_flight_and_refuses_new_ones():
-    from kvtier.layout import detect_layout
+    from kvtier.common.layout import detect_layout
     from kvtier.transfer.cpu import CpuCopier
     from kvtier.transfer.engine import TransferEngine, TransferJob
     from kvtier.transfer.host_buffer import allocate_host_buffer
@@ -228,8 +228,8 @@ def test_each_8_bit_kv_format_keys_blocks_of_its_own_and_fp8_is_e4m3(tmp_path):
     configuration gives (as the running connector's and ``kvtier doctor --model``'s) names the format.
     Engine-free, so that it runs where vLLM's CPU attention keeps no 8-bit KV (x86 without AVX-512 or
     AMX): the engine test of the same (``test_vllm_e2e``) needs one that does."""
-    from kvtier.config import KVTierConfig
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
+    from kvtier.common.config import KVTierConfig
     from kvtier.integrations.vllm.namespace import offline_namespace
 
     model = str(make_model(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2))

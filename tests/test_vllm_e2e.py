@@ -32,7 +32,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     # One KV head: vLLM CPU's layout is [num_blocks, kv_heads, block_size, 2 * head_size].
     return str(make_model(workdir / "model", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=1))
 
@@ -165,7 +165,7 @@ def test_a_new_process_serves_the_prefix_from_disk(restarted_process, reference)
 
 
 def test_a_corrupt_disk_entry_is_recomputed_and_counted(workdir, model, restarted_process, reference):
-    from kvtier.entry import HEADER_BYTES
+    from kvtier.common.entry import HEADER_BYTES
     from kvtier.tiers.disk import entries_in
 
     disk = workdir / "disk"
@@ -195,7 +195,7 @@ def test_an_invalid_configuration_fails_at_start_up_naming_the_key(workdir, mode
 
 def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     """``vllm serve`` with kvtier (engine in its own process): hits show on /metrics."""
-    from kvtier.demo.model import make_model, words
+    from kvtier.cli.demo.model import make_model, words
     from tests.e2e.servers import http_json, http_text, kvtier_metrics, vllm_server
 
     model = str(make_model(workdir / "model_tok", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4))
@@ -292,7 +292,7 @@ def test_a_model_mixing_sliding_window_and_full_attention_layers_is_served(workd
     layers keeps every token's KV in full-attention blocks: kvtier stores and loads all of them. So it does
     for a model of sliding-window layers alone whose window spans max_model_len (as a Mistral-7B-v0.1's
     4,096 does, served up to 4,096 tokens): vLLM frees none of its blocks."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     window = 3 * BLOCK
     rng = random.Random(6)
@@ -327,7 +327,7 @@ def test_a_qwen3_model_with_wide_heads_and_128_token_blocks_is_served_every_full
     128 dimensions in a 256-wide model (head_dim is not hidden_size // num_heads), one KV head, blocks of
     128 tokens and prefill in chunks of 256. An engine in vLLM's default layout stores the prompts; a new
     one in the one-process layout is served every full block of each from disk, outputs equal to recompute."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     block = 128
     model = str(make_model(workdir / "model_qwen3", num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=1,
@@ -367,7 +367,7 @@ def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_fr
     first skipped); then a new one-process engine: a whole hit of every prompt, loading no block outside the
     window. Outputs equal recompute throughout, including a prompt that ends inside the others' freed blocks.
     Last, a prompt whose first blocks a bounded disk evicted: a whole hit, since vLLM reads none of them."""
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
 
     window = 3 * BLOCK + 4
     model = str(make_model(workdir / "model_window", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -410,7 +410,7 @@ def test_a_model_of_sliding_window_layers_alone_stores_each_block_before_vllm_fr
     # index), it runs the whole prompt, whose 12 new blocks each evict one of those. (Stored in one go, which
     # blocks the bound kept would depend on when the writes in flight are answered: a block that finds every
     # entry being written is not stored there; in one CI run the last four were not.)
-    from kvtier.entry import HEADER_BYTES
+    from kvtier.common.entry import HEADER_BYTES
     bounded = {"host_bytes": "64MiB", "disk_dir": str(workdir / "window-bounded"),
                "disk_bytes": 12 * (slot_bytes + HEADER_BYTES)}
     first = [{"prompts": [prompts[0][:16 * BLOCK]], "idle_s": 1.0}, {"prompts": [[5, 6, 7]], "max_tokens": 1}]
@@ -467,7 +467,7 @@ def test_an_mla_model_on_vllms_cpu_attention_is_computed_never_loaded(workdir):
     that the test runs on every CPU) computes no prompt over KV loaded for its start (vLLM turns its own
     prefix caching off for it; a load there, down to a whole prompt's but its last token, gave other
     outputs). kvtier stores, loads nothing, and counts every token it looks up as engine_cannot_load."""
-    from kvtier.demo.model import make_mla_model
+    from kvtier.cli.demo.model import make_mla_model
     from kvtier.tiers.disk import entries_in
 
     model = str(make_mla_model(workdir / "model_mla"))
@@ -496,7 +496,7 @@ def test_an_mla_model_on_vllms_amx_attention_loads_what_its_own_prefix_cache_hol
     from the host pool in one process, then from the disk in a new process in vLLM's default layout."""
     import torch
 
-    from kvtier.demo.model import make_mla_model
+    from kvtier.cli.demo.model import make_mla_model
 
     if not torch.cpu._is_amx_tile_supported():  # vLLM's own test of it (``CpuPlatform.get_attn_backend_cls``)
         pytest.skip("vLLM takes its AMX MLA attention only on a CPU with AMX tiles; elsewhere it takes its "
@@ -556,7 +556,7 @@ def test_each_lora_adapter_is_served_its_own_kv_and_never_the_bases(workdir, mod
     """The same prompt with no adapter and with two LoRA adapters: three different KV caches. The
     adapters' first requests load nothing (neither the base's KV nor each other's); a second round
     and a new process (in vLLM's other layout) load each one's own, with outputs equal to recompute."""
-    from kvtier.demo.model import make_lora_adapter
+    from kvtier.cli.demo.model import make_lora_adapter
 
     adapters = {name: ["adapter-" + name, i + 1, str(make_lora_adapter(workdir / f"lora-{name}", model, seed=i))]
                 for i, name in enumerate("ab")}

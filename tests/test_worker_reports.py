@@ -4,12 +4,12 @@ often a worker sends it (``RankReport``: at shutdown it sends again what no step
 
 import pytest
 
-from kvtier.config import KVTierConfig
+from kvtier.common.config import KVTierConfig
+from kvtier.common.keys import Namespace
+from kvtier.common.plans import JobReport
 from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierWorkerMetadata, RankReport
 from kvtier.integrations.vllm.namespace import EngineGeometry, worker_rank
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
-from kvtier.keys import Namespace
-from kvtier.plans import JobReport
 
 NAMESPACE = Namespace("test-model", "torch.float32", "kv", (2, 64), 2, 16)
 SLOT_BYTES = 2 * 2 * 2 * 64 * 4 * 16

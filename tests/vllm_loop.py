@@ -22,7 +22,7 @@ LAYERS, HEADS, HEAD_SIZE = 2, 2, 32
 
 
 def model_dir(path) -> str:
-    from kvtier.demo.model import make_model
+    from kvtier.cli.demo.model import make_model
     return str(make_model(path, num_layers=LAYERS, hidden_size=HEADS * 2 * HEAD_SIZE, num_heads=HEADS * 2,
                           num_kv_heads=HEADS))
 

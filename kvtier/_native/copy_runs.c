@@ -17,7 +17,7 @@
  *   negative length or offset, no run past a slot's end), before any byte moves; runs that continue on
  *   both sides are merged into one memcpy. Returns the bytes copied.
  *   With sums (an int64 buffer of one item per block, or None), the copy also leaves
- *   in sums[i] the xxh3-64 of slot_ids[i]'s bytes (the entry checksum, kvtier.entry):
+ *   in sums[i] the xxh3-64 of slot_ids[i]'s bytes (the entry checksum, kvtier.common.entry):
  *   of the bytes it copies, each piece hashed just before its copy, which then reads
  *   it from cache and writes it with stores that bypass the cache (rather than the
  *   I/O process reading every slot again). The segments must then tile the slot, in

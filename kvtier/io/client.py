@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvtier.host_slots import HostSlots
+from kvtier.common.host_slots import HostSlots
 from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
 from kvtier.tiers.base import TierSpec, unavailable
 

@@ -20,7 +20,7 @@ class Setup(msgspec.Struct, tag=True):
     rank_fingerprint: bytes
     slot_bytes: int
     num_slots: int
-    head_bytes: int  # before each slot: its entry header (``kvtier.host_slots``)
+    head_bytes: int  # before each slot: its entry header (``kvtier.common.host_slots``)
     parent_pid: int
     log_level: int
     drain_s: float  # orphaned (the worker died), finish the jobs already held for at most this long

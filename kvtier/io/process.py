@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from kvtier.host_slots import HostSlots
+from kvtier.common.host_slots import HostSlots
 from kvtier.io.messages import Exists, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
 from kvtier.io.pages import map_for_writing
 from kvtier.tiers.base import TierSpec, unavailable

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
-from kvtier.redact import redact
+from kvtier.common.redact import redact
 from kvtier.tiers.audit import StoredAudit
 
 
@@ -179,7 +179,7 @@ class TierKind:
     directory: Callable[["TierSpec"], str] | None = None
     probe_spec: Callable[["TierSpec", bytes, int], "TierSpec"] | None = None  # a spec for doctor's one-block probe
     notices: Callable[["TierSpec"], str] | None = None  # doctor: when routers hear of what the tier drops
-    # Namespace records (``kvtier.namespaces``) and questions asked as a process outside the engine.
+    # Namespace records (``kvtier.common.namespaces``) and questions asked as a process outside the engine.
     write_record: Callable[["TierSpec", dict], bool] | None = None
     read_records: Callable[["TierSpec"], list] | None = None
     held_from_outside: Callable[["TierSpec", int, Sequence[bytes], Sequence[bytes]], set] | None = None
@@ -276,7 +276,7 @@ class TierStore(ABC):
 
     ``attach`` hands it the host pool, mapped in the I/O process: an array of
     ``num_slots`` rows of ``slot_bytes``, and where each slot has a head right before it
-    (``kvtier.host_slots``), those as ``num_slots`` rows of ``HEADER_BYTES``. Jobs name
+    (``kvtier.common.host_slots``), those as ``num_slots`` rows of ``HEADER_BYTES``. Jobs name
     slots by row."""
 
     host = None
@@ -291,7 +291,7 @@ class TierStore(ABC):
                   deadline: float, sums: list | None = None) -> list[str | None]:
         """Read each key's entry (at the index's ``location``) into its slot; per block None
         (the slot holds the block) or why it is a miss. ``sums`` (one item per key): the caller
-        checks plain entries' checksums (``kvtier.entry.check_entry``): each one's is left in
+        checks plain entries' checksums (``kvtier.common.entry.check_entry``): each one's is left in
         ``sums[i]``, and its payload is not read here."""
 
     @abstractmethod
@@ -299,7 +299,7 @@ class TierStore(ABC):
                    deadline: float, checksums: Sequence[int] | None = None) -> list[str | None]:
         """Write each slot as its key's entry; per block None (stored) or why not. ``checksums``,
         where the worker sends them, are the slots' xxh3-64, taken by the copy that filled them
-        (``kvtier.entry.encode_header``'s ``check``): the store then does not read the slots to take them."""
+        (``kvtier.common.entry.encode_header``'s ``check``): the store then does not read the slots to take them."""
 
     num_down = 0  # times the store's client was marked down (a storage pool)
 

@@ -2,7 +2,7 @@
 
 Each rank's entries live in one preallocated, sparse file,
 ``<disk_dir>/<rank fingerprint hex>/entries-<n>.kvtier``, cut into fixed-size places
-of one ``kvtier.entry`` each (a 64-byte header, then the slot's bytes). The entries of
+of one ``kvtier.common.entry`` each (a 64-byte header, then the slot's bytes). The entries of
 a job that fall in consecutive places go to the file in one positioned, vectored write
 (headers and payloads from where they lie, about 4 MiB per call), as a plain file is
 written. The checksum in a header covers its payload: a torn or interrupted write
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlparse
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
+from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
+from kvtier.common.units import parse_bytes
 from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, pwritev_all
-from kvtier.units import parse_bytes
 
 logger = logging.getLogger("kvtier.disk")
 
@@ -276,12 +276,12 @@ def entries_in(root, rank_fingerprints: Sequence[bytes] | None = None) -> list[t
 
 def write_record(spec: TierSpec, record: dict) -> bool:
     """A namespace record, in ``namespaces/`` beside the entries."""
-    from kvtier.namespaces import write_record_in
+    from kvtier.common.namespaces import write_record_in
     return bool(write_record_in(spec.location, record))
 
 
 def read_records(spec: TierSpec) -> list[dict]:
-    from kvtier.namespaces import read_records_in
+    from kvtier.common.namespaces import read_records_in
     return read_records_in([spec.location])
 
 
@@ -325,7 +325,7 @@ def _place(url: str) -> tuple[str, int | None]:
 
 
 def _validate(url: str) -> None:
-    from kvtier.config import usable_directory
+    from kvtier.common.config import usable_directory
 
     usable_directory(_place(url)[0])
 
@@ -443,7 +443,7 @@ class DiskStore(TierStore):
 
     def read(self, key: bytes, out: memoryview, location: int, sums: list | None = None, at: int = 0) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
-        the caller checks the payload's checksum (``kvtier.entry.check_entry``).
+        the caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """

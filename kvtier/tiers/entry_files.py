@@ -1,7 +1,7 @@
 """Entries as files, one per block and rank: how the shared-filesystem tier stores them.
 
 Layout: ``<dir>/<rank fingerprint hex>/<key hex[:2]>/<key hex>``, a 64-byte
-``kvtier.entry`` header then the slot's bytes. Files and folders are created
+``kvtier.common.entry`` header then the slot's bytes. Files and folders are created
 readable by their owner only. A write goes to a temporary file (named by host,
 process and thread, so that writers on several hosts never share one) that is
 renamed into place: a reader sees a whole entry or none, and checks it before use.
@@ -14,7 +14,7 @@ import socket
 import threading
 from pathlib import Path
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.tiers.base import TierStore, WriteBackOff, gone, pwritev_all
 
 _DIR_MODE = 0o700
@@ -101,7 +101,7 @@ class EntryFiles(TierStore):
 
     def read(self, key: bytes, out: memoryview, sums: list | None = None, at: int = 0) -> str | None:
         """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
-        the caller checks the payload's checksum (``kvtier.entry.check_entry``).
+        the caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """

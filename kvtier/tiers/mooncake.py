@@ -9,7 +9,7 @@ Zero-copy: the host pool and its headers are registered with the client, and
 entries move with the batch calls that write from and read into them. An entry is
 one object, its header then its block, put from and got into memory where it lies:
 one buffer where the header lies right before its block (a slot's head,
-``kvtier.host_slots``: ``batch_put_from`` / ``batch_get_into``), else two
+``kvtier.common.host_slots``: ``batch_put_from`` / ``batch_get_into``), else two
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, a second transfer per
 entry). One call per batch each way, as a raw client's. A put is whole or absent (Mooncake
 publishes an object once all of it is written), so an entry needs no second object
@@ -26,10 +26,10 @@ import socket
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
+from kvtier.common.units import parse_bytes
 from kvtier.tiers.base import TierKind, TierSpec
 from kvtier.tiers.pool import (PoolClient, PoolStore, PoolUnavailable, Spans, make_pool_index, outside_calls,
                                unpublished_notice)
-from kvtier.units import parse_bytes
 
 _OBJECT_NOT_FOUND = -704  # a batch get's code for a key the store does not hold (Mooncake's ErrorCode)
 

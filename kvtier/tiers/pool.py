@@ -2,7 +2,7 @@
 
 A storage pool is a tier that many instances reach. Its module (``mooncake``,
 ``redis``) provides a ``PoolClient``: batched existence checks, puts and gets of
-whole entries (the ``kvtier.entry`` header, then the slot's bytes). This module
+whole entries (the ``kvtier.common.entry`` header, then the slot's bytes). This module
 turns a client into the tier's two halves:
 
 - the index (scheduler): existence asked off the scheduler's thread, through a
@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header
-from kvtier.redact import redact
+from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.common.redact import redact
 from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, gone, index_timings, unavailable
 
 logger = logging.getLogger("kvtier.pool")
@@ -426,7 +426,7 @@ def _record_name(slot: int) -> str:
 
 
 def write_pool_record(spec: TierSpec, connect: Callable[[], PoolClient], record: dict) -> bool:
-    """Leave ``record`` (``kvtier.namespaces``) in the pool, in the slot its fingerprint names."""
+    """Leave ``record`` (``kvtier.common.namespaces``) in the pool, in the slot its fingerprint names."""
     import json
 
     data = json.dumps(record, separators=(",", ":")).encode()

@@ -24,7 +24,7 @@ import time
 from typing import Sequence
 from urllib.parse import urlparse, urlunparse
 
-from kvtier.redact import redact
+from kvtier.common.redact import redact
 from kvtier.tiers.base import TierKind, TierSpec
 from kvtier.tiers.pool import (PoolClient, PoolStore, close_quietly, make_pool_index, outside_calls,
                                unpublished_notice)

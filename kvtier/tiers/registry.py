@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from typing import Sequence
 from urllib.parse import urlparse
 
-from kvtier.entry import load_entry_key
+from kvtier.common.entry import load_entry_key
 from kvtier.tiers import base
 from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore
 
@@ -110,7 +110,7 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> Tier
 
 
 def write_record(spec: TierSpec, record: dict) -> bool | None:
-    """Leave a namespace record (``kvtier.namespaces``) in the tier; None: it keeps none."""
+    """Leave a namespace record (``kvtier.common.namespaces``) in the tier; None: it keeps none."""
     write = spec.kind.write_record
     return write(spec, record) if write is not None else None
 

@@ -28,10 +28,10 @@ from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
 from kvtier._native import stat_batch
-from kvtier.entry import HEADER_BYTES
+from kvtier.common.entry import HEADER_BYTES
+from kvtier.common.units import parse_bytes
 from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierKind, TierSpec, index_timings
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
-from kvtier.units import parse_bytes
 
 logger = logging.getLogger("kvtier.shared_dir")
 
@@ -102,12 +102,12 @@ def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequen
 
 def write_record(spec: TierSpec, record: dict) -> bool:
     """A namespace record, in ``namespaces/`` beside the entries."""
-    from kvtier.namespaces import write_record_in
+    from kvtier.common.namespaces import write_record_in
     return bool(write_record_in(_directory_and_bound(spec.location)[0], record))
 
 
 def read_records(spec: TierSpec) -> list[dict]:
-    from kvtier.namespaces import read_records_in
+    from kvtier.common.namespaces import read_records_in
     return read_records_in([_directory_and_bound(spec.location)[0]])
 
 

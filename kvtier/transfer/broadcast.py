@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from kvtier._native import copy_runs
-from kvtier.layout import KVLayout
+from kvtier.common.layout import KVLayout
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvtier._native import copy_runs
-from kvtier.layout import KVLayout
+from kvtier.common.layout import KVLayout
 from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult
 
 
@@ -29,7 +29,7 @@ class CpuCopier(DeviceCopier):
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], host_buffer: torch.Tensor, num_threads: int,
                  head_bytes: int = 0, checksums: bool = False):
-        """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.host_slots``).
+        """``host_buffer`` holds the slots, each after a head of ``head_bytes`` (``kvtier.common.host_slots``).
         ``checksums``: a store of whole slots, and a ``checked`` load of them, report each slot's xxh3-64
         (``TransferResult.checksums``)."""
         self._layout = layout

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.common.layout import KVLayout
 from kvtier.transfer.cuda_kernels import load_block_mover
 from kvtier.transfer.cuda_runtime import load_cuda_runtime
 from kvtier.transfer.engine import DeviceCopier, TransferJob, TransferResult

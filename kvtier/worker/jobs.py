@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.plans import JobReport, LoadJob, StoreJob
+from kvtier.common.plans import JobReport, LoadJob, StoreJob
 from kvtier.transfer.engine import TransferEngine, TransferJob, TransferResult
 
 logger = logging.getLogger("kvtier.worker")

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.plans import JobReport, LoadJob
+from kvtier.common.plans import JobReport, LoadJob
 from kvtier.tiers.base import is_bad_entry, is_gone, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Load

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.plans import JobReport, StoreJob
+from kvtier.common.plans import JobReport, StoreJob
 from kvtier.tiers.base import is_device_full, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Store

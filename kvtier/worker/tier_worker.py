@@ -20,14 +20,13 @@ from typing import Sequence
 
 import torch
 
-from kvtier.config import KVTierConfig
-from kvtier.entry import HEADER_BYTES
-from kvtier.host_slots import HostSlots
+from kvtier.common.config import KVTierConfig
+from kvtier.common.entry import HEADER_BYTES
+from kvtier.common.host_slots import HostSlots, num_host_slots
+from kvtier.common.keys import Namespace
+from kvtier.common.layout import KVLayout, TensorInfo, detect_layout
+from kvtier.common.plans import JobReport, LoadJob, StoreJob
 from kvtier.io.client import IOProcess
-from kvtier.keys import Namespace
-from kvtier.layout import KVLayout, TensorInfo, detect_layout
-from kvtier.manager import num_host_slots
-from kvtier.plans import JobReport, LoadJob, StoreJob
 from kvtier.tiers.registry import tier_specs
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_buffer import SharedHostMemory
@@ -64,7 +63,7 @@ class TierWorker:
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
         self.device_is_cuda = self.tensors[0].is_cuda
-        # Entry headers beside the slots on CPU, apart on CUDA (``kvtier.host_slots``).
+        # Entry headers beside the slots on CPU, apart on CUDA (``kvtier.common.host_slots``).
         self.slots = HostSlots(self.num_slots, self.layout.slot_bytes, 0 if self.device_is_cuda else HEADER_BYTES)
         self.memory = SharedHostMemory(self.slots.num_bytes, pin=self.device_is_cuda)
         logger.info("kvtier: host pool of %d MiB, %d MiB of it on 2 MiB pages", self.slots.num_bytes >> 20,
@@ -79,10 +78,10 @@ class TierWorker:
                             config.shutdown_flush_s) if specs else None
         self.verifier = self.replicated = None
         if config.verify_loads:  # test mode, wrapped around the paths through three hooks
-            from kvtier.verify import LoadVerifier
+            from kvtier.worker.verify import LoadVerifier
             self.verifier = LoadVerifier(self.layout, self.tensors, host_slots)
         if replicated:
-            from kvtier.replicated import ReplicatedLoads
+            from kvtier.worker.replicated import ReplicatedLoads
             self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
                                               config.broadcast_shard_blocks, host_slots, self.is_source)
         job_blocks = blocks_per_job(specs, self.layout.slot_bytes)

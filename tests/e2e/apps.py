@@ -1,4 +1,4 @@
-"""Running ``kvtier.demo.runner`` as a separate process from a test."""
+"""Running ``kvtier.cli.demo.runner`` as a separate process from a test."""
 
 import atexit
 import itertools
@@ -22,7 +22,7 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
 
     The process is forked from the session's zygote (``tests.e2e.zygote``), which has imported
     vLLM and kvtier once; a run whose environment differs from the zygote's in anything a module
-    may read at import starts ``python -m kvtier.demo.runner`` itself instead. A forked run exits
+    may read at import starts ``python -m kvtier.cli.demo.runner`` itself instead. A forked run exits
     once its atexit handlers have run, without the interpreter's module teardown, unless
     ``finalize`` or a phase that ends without a drain (a test of what happens at exit) asks for
     the whole exit."""
@@ -37,7 +37,7 @@ def run_app(workdir: Path, name: str, spec: dict, expect_failure: bool = False, 
         returncode, group = _ZYGOTE.run(spec_path, out_path, log_path, run_env, timeout, finalize)
         output = log_path.read_text(errors="replace")
     else:
-        proc = subprocess.run([sys.executable, "-m", "kvtier.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli.demo.runner", str(spec_path), str(out_path)], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout, env=run_env)
         returncode, output = proc.returncode, proc.stdout + proc.stderr
         # Kept for a failing test's reader, with why this run did not come from the zygote.

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from kvtier.servers import free_port
+from kvtier.cli.servers import free_port
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 120, headers: dict | None = None) -> dict:

@@ -43,8 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvtier.demo.model import make_model
-from kvtier.servers import local_mooncake, local_redis
+from kvtier.cli.demo.model import make_model
+from kvtier.cli.servers import local_mooncake, local_redis
 from tests.e2e.apps import run_app
 
 RUN_FAILED = (AssertionError, subprocess.TimeoutExpired)  # run_app's: failed, hung, or left a process behind

@@ -1,9 +1,9 @@
 """Engine runs forked from a process that has imported vLLM and kvtier once.
 
 Importing vLLM takes about 6 s here, more than most runs' own work. This process
-imports what ``kvtier.demo.runner`` imports, runs nothing, and forks one child per
+imports what ``kvtier.cli.demo.runner`` imports, runs nothing, and forks one child per
 run: each child is a new process (its own engine, its own kvtier, its own I/O
-process), as ``python -m kvtier.demo.runner`` would be, without the import. A child
+process), as ``python -m kvtier.cli.demo.runner`` would be, without the import. A child
 leads a process group of its own, so that processes it forks are found after it.
 
 Protocol, one JSON object per line: the test writes ``{"id", "spec", "out", "log",
@@ -41,7 +41,7 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    from kvtier.demo import runner
+    from kvtier.cli.demo import runner
 
     runner.main(request["spec"], request["out"])
     if not request.get("finalize"):
@@ -71,8 +71,8 @@ def main() -> None:
     os.dup2(2, 1)  # what vLLM prints on import (to stdout, in some releases) must not mix with the answers
     # What a run imports, imported once; the run's own work (the engine, kvtier's threads and
     # processes, the AMX permission) starts in each child.
-    for module in ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.config", "kvtier.demo.engine",
-                   "kvtier.demo.runner", "kvtier.integrations.vllm", "kvtier.integrations.vllm.cpu_features"):
+    for module in ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.config", "kvtier.cli.demo.engine",
+                   "kvtier.cli.demo.runner", "kvtier.integrations.vllm", "kvtier.integrations.vllm.cpu_features"):
         importlib.import_module(module)
 
     _report({"ready": os.getpid()})

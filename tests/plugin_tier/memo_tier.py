@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.entry import HEADER_BYTES, check_entry, encode_header
+from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.tiers.base import TierIndex, TierKind, TierStore, gone
 
 

@@ -15,7 +15,7 @@
 - 0.33 hands ``register_kv_caches`` per-layer views of one allocation, laid out in the
   physical order of its KV cache layout (``LBNHC`` by default on CUDA, or as
   ``VLLM_KV_CACHE_LAYOUT`` says), in both its model runners; so does 0.34.
-  ``kvtier.layout`` reads a block's runs from the views' strides.
+  ``kvtier.common.layout`` reads a block's runs from the views' strides.
 
 - 0.34 asks ``may_load_async`` (``async_loads``) and reads ``requires_kv_delivery``
   (since 0.32; here, below).

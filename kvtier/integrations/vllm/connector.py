@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvtier.config import KVTierConfig
+from kvtier.common.config import KVTierConfig
 from kvtier.integrations.vllm.compat import VllmCompat, check_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.namespace import engine_geometry, worker_rank

@@ -241,7 +241,7 @@ class DiskJournal:
 
     def _rewrite(self, live: dict[bytes, bytes]):
         """The journal made of the live records only (atomically), then opened for appends."""
-        from kvtier.namespaces import write_private
+        from kvtier.common.namespaces import write_private
 
         write_private(self.path, b"".join(live.values()))
         return os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "wb")

@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.plans import JobReport, LoadJob, StoreJob
+from kvtier.common.plans import JobReport, LoadJob, StoreJob
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Why a request's prompt tokens were not loaded, counted once it is allocated (``kvtier.ledger``)."""
+"""Why a request's prompt tokens were not loaded, counted once it is allocated (``kvtier.scheduler.ledger``)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from kvtier.config import KVTierConfig
-from kvtier.keys import Namespace
-from kvtier.model_identity import directory_fingerprint, model_fingerprint
+from kvtier.common.config import KVTierConfig
+from kvtier.common.keys import Namespace
+from kvtier.common.model_identity import directory_fingerprint, model_fingerprint
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvtier.common.keys import block_keys
 from kvtier.integrations.vllm.namespace import adapter_fingerprint
-from kvtier.keys import block_keys
 
 
 @dataclass

@@ -12,8 +12,7 @@ import logging
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.config import KVTierConfig
-from kvtier.hits import LoadHits
+from kvtier.common.config import KVTierConfig
 from kvtier.integrations.vllm.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
 from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata, check_handshakes
@@ -22,7 +21,8 @@ from kvtier.integrations.vllm.misses import count_misses
 from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.integrations.vllm.requests import Requests, loads_nothing, unsupported
 from kvtier.integrations.vllm.store_plans import StorePlans
-from kvtier.manager import TierManager
+from kvtier.scheduler.hits import LoadHits
+from kvtier.scheduler.manager import TierManager
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -76,7 +76,7 @@ class SchedulerSide:
             self.requests.on_keyed = self._events.remember  # vLLM's hashes of new blocks, for any tier's events
         # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
         # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
-        from kvtier.namespaces import ForeignProbe, record_of
+        from kvtier.common.namespaces import ForeignProbe, record_of
         record = record_of(self.geometry.namespace, fingerprints, self.geometry.slot_bytes)
         self.manager.ledger.probe = ForeignProbe(self.manager.specs, record, self.config.remote_timeout_s)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,

@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from kvtier.integrations.vllm.requests import Requests, RequestState
-from kvtier.manager import TierManager
+from kvtier.scheduler.manager import TierManager
 
 
 class StorePlans:

@@ -16,10 +16,10 @@ from datetime import timedelta
 
 import torch
 
-from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.shutdown_drain import drain_finished_requests
+from kvtier.common.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMetadata, RankReport
 from kvtier.integrations.vllm.namespace import EngineGeometry
+from kvtier.integrations.vllm.shutdown_drain import drain_finished_requests
 from kvtier.worker import TierWorker
 from kvtier.worker.tier_worker import at_exit
 

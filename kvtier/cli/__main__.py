@@ -1,0 +1,5 @@
+import sys
+
+from kvtier.cli.main import main
+
+sys.exit(main())
