@@ -150,3 +150,18 @@ def test_no_tier_is_named_outside_its_own_module():
                     node.value == "disk" and module != "kvtier.common.config")):
                 found.append(f"{module}:{node.lineno}: {node.value!r}")
     assert not found
+
+
+def test_the_optional_features_wrap_the_worker_from_outside():
+    """``verify_loads`` and ``save_only_first_rank`` subclass the load and store paths
+    (``kvtier.worker.wrappers``): the paths and the worker read the same with both off."""
+    words = {"verifier", "replicated", "is_source", "verify_loads", "save_only_first_rank", "LoadVerifier",
+             "ReplicatedLoads", "broadcast"}
+    found = []
+    for module in ("kvtier.worker.loads", "kvtier.worker.stores", "kvtier.worker.tier_worker", "kvtier.worker.jobs"):
+        for node in ast.walk(ast.parse(_modules()[module].read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else (
+                node.arg if isinstance(node, ast.arg) else None)
+            if name in words:
+                found.append(f"{module}:{node.lineno}: {name}")
+    assert not found

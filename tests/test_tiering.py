@@ -470,3 +470,24 @@ def test_the_holdings_log_tells_what_each_tier_gained_and_lost(disk_dir):
     assert engine.manager.miss_reason(keys_of([1])[0]) == "evicted_disk"
     assert engine.manager.miss_reason(keys_of([99])[0]) == "never_stored"
     engine.close()
+
+
+def test_the_optional_features_wrap_the_paths_and_nothing_else():
+    """Off: the worker runs the plain paths. verify_loads outermost, around the replicated paths of
+    save_only_first_rank; ranks other than 0 key their blocks as rank 0's and read no tier."""
+    from kvtier.worker.loads import LoadPath
+    from kvtier.worker.stores import StorePath
+    from kvtier.worker.wrappers import Wrapping
+
+    plain = Wrapping.of(KVTierConfig.from_sources({"disk_dir": None}, environ={}), 3, object())
+    assert (plain.load_path, plain.store_path, plain.key_rank, plain.reads_tiers) == (LoadPath, StorePath, 3, True)
+    both = KVTierConfig.from_sources({"disk_dir": None, "verify_loads": True, "save_only_first_rank": True},
+                                     environ={})
+    first, other = Wrapping.of(both, 0, object()), Wrapping.of(both, 1, object())
+    assert [c.__name__ for c in first.load_path.__mro__[:4]] == [
+        "VerifiedLoadPath", "VerifiedLoads", "ReplicatedLoadPath", "LoadPath"]
+    assert [c.__name__ for c in first.store_path.__mro__[:3]] == ["VerifiedStorePath", "VerifiedStores", "StorePath"]
+    assert [c.__name__ for c in other.store_path.__mro__[:3]] == ["VerifiedStorePath", "VerifiedStores", "ReplicaStores"]
+    assert (first.key_rank, first.reads_tiers, other.key_rank, other.reads_tiers) == (0, True, 0, False)
+    alone = Wrapping.of(both, 1, None)  # no broadcast group (one rank): nothing is replicated
+    assert alone.key_rank == 1 and alone.reads_tiers and alone.store_path.__mro__[1].__name__ == "VerifiedStores"

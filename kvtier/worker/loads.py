@@ -35,22 +35,16 @@ logger = logging.getLogger("kvtier.worker")
 
 class LoadPath:
     def __init__(self, book: JobBook, io, load_timeout_s: float, num_layers: int, job_blocks: dict[str, int],
-                 advance, verifier=None, replicated=None, check_in_copy: bool = False):
+                 advance, check_in_copy: bool = False):
         self.book = book
         self.advance = advance  # moves on every job whose copies have finished (the worker's)
         self.io = io  # IOProcess, or None where this worker reads no tier
         self.load_timeout_s = load_timeout_s
         self.num_layers = num_layers
         self.job_blocks = job_blocks  # tier name -> blocks per I/O job (``blocks_per_job``)
-        self.verifier = verifier
-        self.replicated = replicated
-        # Not with a broadcast: other ranks get rank 0's slots before its copy has checked them.
-        self.check_in_copy = check_in_copy and replicated is None
+        self.check_in_copy = check_in_copy
 
     def submit(self, job: LoadJob) -> None:
-        if self.replicated is not None and not self.replicated.is_source:
-            self.replicated.receive(job)  # the blocks come from rank 0's broadcast, never from the tiers
-            return
         by_tier: dict[str, list[int]] = {}
         for i, tier in enumerate(job.fill_from):
             by_tier.setdefault(tier, []).append(i)
@@ -58,8 +52,7 @@ class LoadPath:
                   for size in [self.job_blocks.get(tier, 1)] for at in range(0, len(indices), size)]
         # One copy per chunk, and one for the blocks already in host slots (or for none at all).
         load = self._new(job, fills=len(chunks), transfers=len(chunks) + bool(job.ready_block_ids or not chunks))
-        if self.replicated is not None:  # queued now: job order on every rank
-            self.replicated.send(job, load.fills_settled.wait, partial(self._usable_blocks, load))
+        self._began(load)
         if not chunks:
             load.fills_settled.set()
         if job.ready_block_ids or not chunks:
@@ -106,17 +99,14 @@ class LoadPath:
             self.book.loads[job.job_id] = load
         return load
 
-    def _usable_blocks(self, load: Load) -> set[int]:
-        with self.book.lock:
-            usable = load.usable if not load.abandoned else load.usable[:len(load.job.ready_block_ids)]
-            return {block for block, _, _ in usable}
+    def _began(self, load: Load) -> None:
+        """A load is recorded and none of its reads or copies has started: what a wrapper around
+        the path (``kvtier.worker.wrappers``) must do in job order, it queues here."""
 
     def _filled(self, load: Load, blocks: list[int], slots: list[int], keys: list[bytes], reasons: list,
                 sums: list | None = None) -> None:
         """The I/O process answered one chunk of reads (on its receiver thread, or the engine's step);
         ``sums``: the checksums its entries hold, which the copy checks (``check_in_copy``)."""
-        if self.verifier is not None:
-            self.verifier.received([s for s, why in zip(slots, reasons) if why is None])
         usable_blocks, usable_slots, usable_keys, expected = [], [], [], []
         misses: dict[str, list[bytes]] = {}  # reason -> its entries: one line each (a pool's eviction misses many)
         with self.book.lock:
@@ -175,8 +165,6 @@ class LoadPath:
             logger.warning("kvtier: load job %d failed (%s); its blocks will be recomputed", load.job.job_id,
                            result.error)
             report.failed_block_ids += [block for block, _, _ in load.usable]
-        elif self.verifier is not None and load.usable:
-            report.failed_block_ids += self.verifier.check(*zip(*load.usable))
         report.success = not report.failed_block_ids
         # In one hold: a waiting idle step sees the load in flight or its report. (A load is never
         # abandoned with a copy in flight, ``abandon_overdue``: it is still here.)

@@ -1,4 +1,5 @@
-"""Tensor parallelism with replicated KV (``save_only_first_rank``), around the worker.
+"""Tensor parallelism with replicated KV (``save_only_first_rank``), around the worker's paths
+(``ReplicatedLoadPath``, ``ReplicaStores``, put together by ``kvtier.worker.wrappers``).
 
 Only rank 0 stores and reads the tiers. On a load, rank 0 fills its host slots as
 usual and then broadcasts the blocks (``ShardedBroadcaster``); the other ranks
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +22,8 @@ import torch
 from kvtier.common.layout import KVLayout
 from kvtier.common.plans import JobReport, LoadJob
 from kvtier.transfer.broadcast import ShardedBroadcaster
+from kvtier.worker.loads import LoadPath
+from kvtier.worker.stores import StorePath
 
 logger = logging.getLogger("kvtier.worker.replicated")
 
@@ -83,3 +87,48 @@ class ReplicatedLoads:
     def close(self, timeout_s: float) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
         self.broadcaster.close(timeout_s)  # a broken load's collectives end before the group goes
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class ReplicatedLoadPath(LoadPath):
+    """Rank 0 loads as every worker does and broadcasts each load's blocks once its reads are in;
+    the other ranks take them from the broadcast and never read a tier."""
+
+    replicated: ReplicatedLoads
+
+    def __init__(self, *args, **kwargs):
+        # No checksums in the copy: other ranks get rank 0's slots before its copy has checked them.
+        super().__init__(*args, **{**kwargs, "check_in_copy": False})
+
+    def submit(self, job: LoadJob) -> None:
+        if not self.replicated.is_source:
+            self.replicated.receive(job)  # the blocks come from rank 0's broadcast, never from the tiers
+            return
+        super().submit(job)
+
+    def _began(self, load) -> None:
+        # Queued before any read or copy starts: the broadcasts enter their collectives in job order.
+        self.replicated.send(load.job, load.fills_settled.wait, partial(self._usable_blocks, load))
+
+    def _usable_blocks(self, load) -> set[int]:
+        with self.book.lock:
+            usable = load.usable if not load.abandoned else load.usable[:len(load.job.ready_block_ids)]
+            return {block for block, _, _ in usable}
+
+
+class ReplicaStores(StorePath):
+    """Ranks other than 0: rank 0 stores each block once for every rank; here a store copies
+    nothing and is reported done."""
+
+    def submit(self, job) -> None:
+        with self.book.lock:
+            if job.job_id not in self.book.stores:
+                self.book.finish(JobReport(job.job_id, is_load=False, success=True))
+
+    def submit_layer(self, job, layer: int) -> None:
+        self.submit(job)
+
+    def prepare_layers(self, job):
+        return None

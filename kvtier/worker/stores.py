@@ -47,26 +47,19 @@ class FailedWritesLog:
 
 class StorePath:
     def __init__(self, book: JobBook, io, write_timeout_s: float, num_layers: int, job_blocks: dict[str, int],
-                 is_source: bool, verifier=None, abandon_s: float = 30.0):
+                 abandon_s: float = 30.0):
         self.book = book
         self.job_blocks = job_blocks  # tier name -> blocks per I/O job (``blocks_per_job``)
         self.io = io  # IOProcess, or None where this worker writes no tier
         self.write_timeout_s = write_timeout_s
         self.abandon_s = abandon_s  # writes unanswered this long after they were sent are given up
         self.num_layers = num_layers
-        self.is_source = is_source  # replicated KV: only rank 0 stores
-        self.verifier = verifier
         self._failures_log = FailedWritesLog()
         # Layer-wise jobs prepared and not yet submitted whole: their layers may all finish (and
         # the job be reported, on kvtier's threads) before the engine's ``submit`` of the same job.
         self._layerwise: set[int] = set()
 
     def submit(self, job: StoreJob) -> None:
-        if not self.is_source:  # replicated KV: rank 0 stores it once for every rank
-            with self.book.lock:
-                if job.job_id not in self.book.stores:
-                    self.book.finish(JobReport(job.job_id, is_load=False, success=True))
-            return
         with self.book.lock:
             prepared = self.book.stores.get(job.job_id)
             layerwise = job.job_id in self._layerwise
@@ -83,9 +76,6 @@ class StorePath:
     def submit_layer(self, job: StoreJob, layer: int) -> None:
         """Copy one layer of the job's blocks, once that layer's KV is written (called right
         after the layer's attention). ``submit`` of the same job sends the layers not sent yet."""
-        if not self.is_source:
-            self.submit(job)  # replicated KV: nothing to copy here
-            return
         with self.book.lock:
             if job.job_id not in self._layerwise and job.job_id in self.book.stores:
                 return  # submitted whole already
@@ -105,8 +95,6 @@ class StorePath:
     def prepare_layers(self, job: StoreJob) -> Store | None:
         """Make every layer's transfer before the forward, so that ``submit_layer``, on the
         compute thread after each layer, only enqueues."""
-        if not self.is_source:  # other ranks of replicated KV copy nothing
-            return None
         with self.book.lock:
             store = self.book.stores.get(job.job_id)
             if store is None and job.job_id in self._layerwise:
@@ -134,8 +122,6 @@ class StorePath:
                 logger.warning("kvtier: store job %d failed (%s)", job.job_id, result.error)
             report.success = False
             report.failed_writes = {tier: list(keys) for tier, keys in job.writes.items()}
-        elif self.verifier is not None:
-            self.verifier.received(job.slot_ids)
         # Each slot's checksum, where the copy took it: every tier's write frames the slot without reading it.
         sums = None if result.checksums is None else dict(zip(job.slot_ids, result.checksums.tolist()))
         chunks = []  # (tier, keys, their slots, their locations), about the tier's job_bytes each

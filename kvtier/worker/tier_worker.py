@@ -31,8 +31,7 @@ from kvtier.tiers.registry import tier_specs
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_buffer import SharedHostMemory
 from kvtier.worker.jobs import JobBook, Load, blocks_per_job
-from kvtier.worker.loads import LoadPath
-from kvtier.worker.stores import StorePath
+from kvtier.worker.wrappers import Wrapping
 
 logger = logging.getLogger("kvtier.worker")
 
@@ -55,10 +54,8 @@ class TierWorker:
         self.layout: KVLayout = detect_layout([tensor_info(t) for t in self.tensors], num_blocks, block_size,
                                               layout_kind)
         device_layout = f"{self.layout.describe()}{self.tensors[0].dtype}"
-        # Replicated KV (save_only_first_rank): every rank's blocks are rank 0's, stored once, by rank 0.
-        replicated = config.save_only_first_rank and broadcast_group is not None
-        self.is_source = not replicated or rank == 0
-        self.rank_fingerprint = namespace.for_rank(0 if replicated else rank, device_layout).fingerprint()
+        wrapping = self.wrapping = Wrapping.of(config, rank, broadcast_group)  # the optional features
+        self.rank_fingerprint = namespace.for_rank(wrapping.key_rank, device_layout).fingerprint()
         self.num_slots = num_host_slots(config.host_bytes, self.layout.slot_bytes)
         if self.num_slots == 0:
             raise ValueError(f"host_bytes={config.host_bytes} is smaller than one block ({self.layout.slot_bytes} bytes)")
@@ -73,23 +70,16 @@ class TierWorker:
         self._wake = threading.Event()
         self.transfers = TransferEngine(self._make_copier(), on_complete=self._wake.set)
         self.book = JobBook(self.transfers)
-        specs = tier_specs(config) if self.is_source else []  # replicated KV: other ranks never touch a tier
+        specs = tier_specs(config) if wrapping.reads_tiers else []
         self.io = IOProcess(self.memory.fd, specs, self.rank_fingerprint, self.slots,
                             config.shutdown_flush_s) if specs else None
-        self.verifier = self.replicated = None
-        if config.verify_loads:  # test mode, wrapped around the paths through three hooks
-            from kvtier.worker.verify import LoadVerifier
-            self.verifier = LoadVerifier(self.layout, self.tensors, host_slots)
-        if replicated:
-            from kvtier.worker.replicated import ReplicatedLoads
-            self.replicated = ReplicatedLoads(self.layout, self.tensors, broadcast_group,
-                                              config.broadcast_shard_blocks, host_slots, self.is_source)
+        wrapping.build_parts(self.layout, self.tensors, host_slots)
         job_blocks = blocks_per_job(specs, self.layout.slot_bytes)
-        self.loads = LoadPath(self.book, self.io, config.load_timeout_s, self.num_layers, job_blocks, self._advance,
-                              self.verifier, self.replicated, check_in_copy=self.transfers.takes_checksums)
-        self.stores = StorePath(self.book, self.io, config.remote_timeout_s, self.num_layers, job_blocks,
-                                self.is_source, self.verifier,
-                                abandon_s=config.load_timeout_s + config.remote_timeout_s)
+        self.loads = wrapping.load_path(self.book, self.io, config.load_timeout_s, self.num_layers, job_blocks,
+                                        self._advance, check_in_copy=self.transfers.takes_checksums)
+        self.stores = wrapping.store_path(self.book, self.io, config.remote_timeout_s, self.num_layers, job_blocks,
+                                          abandon_s=config.load_timeout_s + config.remote_timeout_s)
+        wrapping.attach(self.loads, self.stores)  # before any job: the paths call their parts from the first
         self.num_idle_waits = 0  # engine steps that waited for a load (wait_for_a_load)
         self._closed = False
         self._progress = threading.Thread(target=self._run_progress, daemon=True, name="kvtier-progress")
@@ -116,7 +106,7 @@ class TierWorker:
 
     @property
     def num_verify_failures(self) -> int:
-        return self.verifier.num_failures if self.verifier is not None else 0
+        return self.wrapping.counters().get("verify_failures", 0)
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -161,7 +151,7 @@ class TierWorker:
             # contend for the GIL with this thread while the copies run.
             self._advance()
         finished = self.book.take_finished()
-        return finished + (self.replicated.poll() if self.replicated is not None else [])
+        return finished + [report for part in self.wrapping.parts for report in part.poll()]
 
     def wait_for_a_load(self, timeout_s: float) -> None:
         """Wait until a job finishes, at most ``timeout_s``, if a load is in flight and nothing has
@@ -227,8 +217,8 @@ class TierWorker:
         if (layout.slot_bytes, layout.describe()) != (self.layout.slot_bytes, self.layout.describe()):
             raise RuntimeError(f"kvtier: the KV cache came back as {layout.describe()}, not {self.layout.describe()}")
         self.layout = layout
-        if self.replicated is not None:
-            self.replicated.rebind(self.tensors)
+        for part in self.wrapping.parts:
+            part.rebind(self.tensors)
         self.transfers.resume(self._make_copier(first=False))
 
     @property
@@ -254,8 +244,8 @@ class TierWorker:
                                "%.1f s; %d finished", dropped, self.config.shutdown_flush_s, finished)
             elif finished:
                 logger.info("kvtier: shutdown: %d queued I/O jobs finished", finished)
-        if self.replicated is not None:
-            self.replicated.close(max(0.0, deadline - time.monotonic()))
+        for part in self.wrapping.parts:
+            part.close(max(0.0, deadline - time.monotonic()))
         self.memory.close()
 
 

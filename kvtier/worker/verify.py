@@ -1,9 +1,10 @@
 """Test mode (``verify_loads``): every loaded block is compared with what was stored.
 
-The worker tells the verifier what each host slot received (a device block copied
-in, an entry read from a tier); after a load, the verifier reads the device
-blocks back and compares checksums. It wraps the worker from outside: the worker
-calls three hooks and knows nothing else of it.
+The verifier hears what each host slot received (a device block copied in, an
+entry read from a tier); after a load, it reads the device blocks back and
+compares checksums. It wraps the load and store paths from outside
+(``VerifiedLoads``, ``VerifiedStores``, put together by ``kvtier.worker.wrappers``):
+the paths themselves know nothing of it.
 """
 
 from __future__ import annotations
@@ -64,3 +65,45 @@ class LoadVerifier:
         dst, src, lengths = self.layout.copy_runs(addresses, scratch.ctypes.data, np.array([block_id]),
                                                   np.array([0]), to_host=True)
         copy_runs.copy(dst, src, lengths)
+
+    # A part of the worker's wrapping (``kvtier.worker.wrappers``): nothing to poll, rebind or close.
+    def poll(self) -> list:
+        return []
+
+    def rebind(self, tensors) -> None:
+        return None
+
+    def close(self, timeout_s: float) -> None:
+        return None
+
+    def counters(self) -> dict[str, int]:
+        return {"verify_failures": self.num_failures}
+
+
+class VerifiedLoads:
+    """Around ``LoadPath``: what each read put in a slot is noted, and a load's copied blocks are
+    read back and compared before it is reported."""
+
+    verifier: LoadVerifier
+
+    def _filled(self, load, blocks, slots, keys, reasons, sums=None) -> None:
+        self.verifier.received([s for s, why in zip(slots, reasons) if why is None])  # before any copy reads them
+        super()._filled(load, blocks, slots, keys, reasons, sums)
+
+    def copied(self, load, result) -> None:
+        if result.success and load.usable:  # the copies are done: the device blocks can be read back
+            load.report.failed_block_ids += self.verifier.check(*zip(*load.usable))
+        super().copied(load, result)
+
+
+class VerifiedStores:
+    """Around ``StorePath``: what a store's copy put in its slots is noted, before the writes go."""
+
+    verifier: LoadVerifier
+
+    def copied(self, store, result) -> None:
+        with self.book.lock:
+            raced = store.raced
+        if result.success and not raced:
+            self.verifier.received(store.job.slot_ids)
+        super().copied(store, result)
