@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Sequence
 
+from kvtier.tiers.base import ExistenceIndex
+
 
 class Ledger:
     MAX_UNSETTLED = 4096  # requests whose failed loads wait to be counted; past it the oldest are counted
@@ -23,7 +25,7 @@ class Ledger:
         for index in indexes:
             index.holdings = self.holdings
         # What a tier says unasked (a storage pool's own evictions) joins the holdings on absorbing.
-        self._absorb_news = [index.absorb_news for index in indexes if hasattr(index, "absorb_news")]
+        self._absorb_news = [index.absorb_news for index in indexes if isinstance(index, ExistenceIndex)]
         self._events_out: list | None = [] if track_holdings else None
         self._gone: OrderedDict[bytes, str] = OrderedDict()  # key -> "evicted_<tier>" or "damaged"
         self.max_gone = 200_000

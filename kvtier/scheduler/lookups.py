@@ -16,7 +16,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from kvtier.scheduler.ledger import Ledger
-from kvtier.tiers.base import TierIndex
+from kvtier.tiers.base import ExistenceIndex, TierIndex
 from kvtier.tiers.host import HostPoolIndex
 
 HOST = "host"
@@ -26,6 +26,9 @@ class Lookups:
     def __init__(self, host: HostPoolIndex, tiers: Sequence[TierIndex], ledger: Ledger, wait_s: float):
         self.host = host
         self.tiers = list(tiers)
+        # The tiers that other instances write: they answer from the tier itself, off the scheduler's
+        # thread, and may say "ask again"; a plan uses what its request's lookup found there.
+        self.asking = [tier for tier in self.tiers if isinstance(tier, ExistenceIndex)]
         self.ledger = ledger
         self.wait_s = wait_s  # the longest a lookup waits for a block being written to the host pool
         self._found: dict[str, list[dict[bytes, bool]]] = {}  # token -> per tier, what its last lookup found
@@ -92,7 +95,7 @@ class Lookups:
         """An engine step that computes nothing: wait for the tiers' answers that lookups wait for
         (each tier in turn, all within ``timeout_s``) instead of asking again at once."""
         deadline = time.monotonic() + timeout_s
-        for tier in self.tiers:
+        for tier in self.asking:
             tier.wait_for_answers(deadline - time.monotonic())
 
     def source(self, key: bytes, found: list[dict[bytes, bool]]) -> str | None:
@@ -153,10 +156,9 @@ class Lookups:
         now (an entry may have been evicted since). The lookup's promised slots are taken now."""
         remembered = self.take(token)
         remembered = found or remembered or [{} for _ in self.tiers]
-        for tier in self.tiers:  # the answer is used up: if this load fails, the next lookup asks again
-            if tier.asks_the_tier:
-                tier.forget(token)
-        return [remembered[i] if tier.asks_the_tier else dict(zip(keys, tier.lookup(keys, None)))
+        for tier in self.asking:  # the answer is used up: if this load fails, the next lookup asks again
+            tier.forget(token)
+        return [remembered[i] if tier in self.asking else dict(zip(keys, tier.lookup(keys, None)))
                 for i, tier in enumerate(self.tiers)]
 
     def take(self, token: str) -> list[dict[bytes, bool]] | None:
@@ -174,7 +176,7 @@ class Lookups:
         gone = self.ledger.gone(key)
         if gone is not None and not self.host.contains(key):
             return gone
-        if token is not None and any(tier.unanswered(token) for tier in self.tiers):
+        if token is not None and any(tier.unanswered(token) for tier in self.asking):
             return "pool_down_or_slow"
         return "never_stored"
 
@@ -183,7 +185,7 @@ class Lookups:
         that answers from the storage itself (a pool, a shared directory) answered its last lookup and
         has not failed a load of it."""
         failed = self._failed.get(token, ())
-        return any(tier.asks_the_tier and tier.name not in failed and not tier.silent(token) for tier in self.tiers)
+        return any(tier.name not in failed and not tier.silent(token) for tier in self.asking)
 
     def load_failed(self, token: str, tiers: Iterable[str]) -> None:
         """The token's load failed from these tiers: its later lookups ask them no more. Where only

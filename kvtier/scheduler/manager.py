@@ -99,7 +99,7 @@ class TierManager:
 
     def ask_again(self, token: str) -> None:
         """The tiers' last answers for ``token`` are not reused: its next lookup asks them anew."""
-        for tier in self.tiers:
+        for tier in self.lookups.asking:
             tier.forget(token)
 
     # --- loads --------------------------------------------------------------

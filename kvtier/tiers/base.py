@@ -194,21 +194,20 @@ class TierIndex(ABC):
     # ("stored" | "evicted" | "damaged", tier name, key). The manager drains it (miss reasons,
     # KV events). None: not told.
     holdings: list | None = None
-    # False: the index answers from its own list, at once, and a plan asks it again (it may have
-    # evicted since the lookup). True: answers come from the tier itself, off the scheduler's
-    # thread; a plan uses the answer its request's lookup got.
-    asks_the_tier = False
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes], token: str | None) -> list[bool] | None:
-        """Which of ``keys`` the tier holds, one flag per key; None: ask again (same ``token``).
+        """Which of ``keys`` the tier holds, one flag per key, at once, from the index's own list; a
+        plan asks again (the tier may have evicted since the lookup). A tier that other instances
+        write answers from the tier itself instead, off the scheduler's thread: ``ExistenceIndex``,
+        whose lookup may say None, "ask again" (same ``token``).
 
         Per key rather than a count: a loadable prefix may mix tiers (block 0 on disk,
         block 1 only in the pool), and the manager walks it block by block."""
 
     def holds(self, key: bytes) -> bool | None:
         """Whether the tier holds ``key``, from the index's own list, marking no use of it; None
-        where only the tier can say (one that ``asks_the_tier``). For a guess that must be cheap."""
+        where only the tier can say (an ``ExistenceIndex``). For a guess that must be cheap."""
         return None
 
     def listing(self) -> tuple[str, set[bytes]] | None:
@@ -243,26 +242,6 @@ class TierIndex(ABC):
     def device_full(self) -> None:
         """A write found no room on the tier's filesystem (ENOSPC, EDQUOT), short of the tier's own
         bound: a tier that keeps a list holds at most what it holds now, evicting to make room."""
-
-    def absorb_news(self) -> None:
-        """Take in, on the scheduler's thread, what the tier said unasked since the last call (a
-        storage pool's own evictions): the ledger calls it before it reads ``holdings``."""
-
-    def forget(self, token: str) -> None:
-        """A request went away, or a plan used its lookup: drop what its lookups remembered."""
-
-    def unanswered(self, token: str) -> bool:
-        """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
-        return False
-
-    def wait_for_answers(self, timeout_s: float) -> None:
-        """An engine step with nothing to compute while lookups wait for this tier ("ask again"):
-        wait for their answers, at most ``timeout_s``, without the GIL. An index that answers at
-        once has nothing to wait for."""
-
-    def silent(self, token: str) -> bool:
-        """The tier could not answer ``token``'s last lookup (down, or past its timeout); busy is not silent."""
-        return False
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -373,8 +352,6 @@ class ExistenceIndex(TierIndex):
     (``forget``): after a failed load, the request's next lookup asks the tier again.
     """
 
-    asks_the_tier = True
-
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
                  failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0,
                  wait: Callable[[Callable[[], bool], float], Any] | None = None, answer_s: float = 1.0):
@@ -450,7 +427,9 @@ class ExistenceIndex(TierIndex):
         self._answered[token] = (keys, time.monotonic(), found)
         return self._usable(keys, found)
 
-    def wait_for_answers(self, timeout_s):
+    def wait_for_answers(self, timeout_s: float) -> None:
+        """An engine step with nothing to compute while lookups wait for this tier ("ask again"):
+        wait for their answers, at most ``timeout_s``, without the GIL."""
         checks = [check for _, _, check in self._pending.values()]
         if checks and timeout_s > 0:
             self.num_waits += 1
@@ -508,6 +487,8 @@ class ExistenceIndex(TierIndex):
         self._news.extend(keys)
 
     def absorb_news(self) -> None:
+        """Take in, on the scheduler's thread, what the tier said unasked since the last call (a
+        storage pool's own evictions): the ledger calls it before it reads ``holdings``."""
         found_gone = self.audit.step() if self.audit is not None else []
         if found_gone:
             self._drop_gone(found_gone)
@@ -537,12 +518,15 @@ class ExistenceIndex(TierIndex):
         return {"evictions": self.num_deleted + self.num_told_gone + found}
 
     def unanswered(self, token: str) -> bool:
+        """The tier did not answer ``token``'s last lookup (down, slow or busy): its miss is no verdict."""
         return token in self._unanswered
 
     def silent(self, token: str) -> bool:
+        """The tier could not answer ``token``'s last lookup (down, or past its timeout); busy is not silent."""
         return token in self._silent
 
-    def forget(self, token):
+    def forget(self, token: str) -> None:
+        """A request went away, or a plan used its lookup: drop what its lookups remembered."""
         self._pending.pop(token, None)
         self._answered.pop(token, None)
         self._unanswered.discard(token)
