@@ -4,6 +4,7 @@ into the same list. Two disk tiers on two directories, through the real I/O proc
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,12 @@ def test_the_shorthand_is_the_list_it_stands_for(tmp_path):
     assert own[1].location == f"file://{shared}?max_bytes=1GiB"  # the tier's own query, as written
     default = specs({})
     assert [(s.name, s.capacity_bytes) for s in default] == [("disk", 16 << 30)]  # the embedded default
+
+
+def test_a_relative_disk_dir_is_the_directory_under_the_working_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert [(s.name, s.location) for s in specs({"disk_dir": "kv-cache"})] == [("disk", str(tmp_path / "kv-cache"))]
+    assert [s.location for s in specs({"disk_dir": "~/kv"})] == [str(Path.home() / "kv")]
 
 
 def test_tiers_come_from_yaml_and_from_the_environment_in_order(tmp_path):

@@ -405,7 +405,7 @@ class KVTierConfig:
         entries = []
         if self.disk_dir:
             query = urlencode({"max_bytes": self.disk_bytes, "write": "disk" in self.store_to})
-            entries.append(f"disk://{quote(self.disk_dir)}?{query}")
+            entries.append(f"disk://{quote(os.path.abspath(self.disk_dir))}?{query}")  # a relative one: from here
         if self.remote_url:
             write = urlencode({"write": "remote" in self.store_to})
             entries.append(f"{self.remote_url}{'&' if '?' in self.remote_url else '?'}{write}")
