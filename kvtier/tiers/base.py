@@ -25,9 +25,10 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from kvtier.common.redact import redact
+from kvtier.common.units import parse_bytes
 from kvtier.tiers.audit import StoredAudit
 
 
@@ -121,6 +122,25 @@ def pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
             first += 1
         if left and written:
             buffers[first] = buffers[first][written:]
+
+
+def directory_url(url: str, what: str, example: str) -> tuple[str, int | None]:
+    """A tier URL that names a local directory (``disk:///var/cache/kvtier?max_bytes=100GiB``): its
+    path, as written, and its bound (None: none given). ``what`` and ``example`` word the errors."""
+    parsed = urlparse(url)
+    scheme = f"{parsed.scheme}://"
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"a {scheme} URL names {what} ({scheme}/path), not host {parsed.netloc!r}")
+    if not parsed.path.startswith("/"):
+        raise ValueError(f"a {scheme} URL needs an absolute path: {scheme}{example}")
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    unknown = set(query) - {"max_bytes"}
+    if unknown:
+        raise ValueError(f"unknown {scheme} option(s) {sorted(unknown)}; known: max_bytes")
+    bound = parse_bytes(query["max_bytes"]) if "max_bytes" in query else None
+    if bound is not None and bound <= 0:
+        raise ValueError("max_bytes must be > 0")
+    return parsed.path, bound
 
 
 # What one I/O job moves by default: a load's jobs are copied to the device as each lands, while

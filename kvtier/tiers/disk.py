@@ -34,11 +34,10 @@ import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import unquote
 
 from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
-from kvtier.common.units import parse_bytes
-from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, pwritev_all
+from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, directory_url, pwritev_all
 
 logger = logging.getLogger("kvtier.disk")
 
@@ -309,19 +308,8 @@ def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequen
 
 def _place(url: str) -> tuple[str, int | None]:
     """``disk:///var/cache/kvtier?max_bytes=100GiB``: the directory, and its bound (None: ``disk_bytes``)."""
-    parsed = urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"a disk:// URL names a local directory (disk:///path), not host {parsed.netloc!r}")
-    if not parsed.path.startswith("/"):
-        raise ValueError("a disk:// URL needs an absolute path: disk:///var/cache/kvtier")
-    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-    unknown = set(query) - {"max_bytes"}
-    if unknown:
-        raise ValueError(f"unknown disk:// option(s) {sorted(unknown)}; known: max_bytes")
-    bound = parse_bytes(query["max_bytes"]) if "max_bytes" in query else None
-    if bound is not None and bound <= 0:
-        raise ValueError("max_bytes must be > 0")
-    return unquote(parsed.path), bound
+    path, bound = directory_url(url, "a local directory", "/var/cache/kvtier")
+    return unquote(path), bound  # the shorthand quotes disk_dir into its URL
 
 
 def _validate(url: str) -> None:

@@ -25,31 +25,17 @@ import os
 import threading
 from pathlib import Path
 from typing import Sequence
-from urllib.parse import parse_qs, urlparse
 
 from kvtier._native import stat_batch
 from kvtier.common.entry import HEADER_BYTES
-from kvtier.common.units import parse_bytes
-from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierKind, TierSpec, index_timings
+from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierKind, TierSpec, directory_url, index_timings
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 
 logger = logging.getLogger("kvtier.shared_dir")
 
 
 def _directory_and_bound(url: str) -> tuple[str, int | None]:
-    parsed = urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"a file:// URL names a local mount (file:///path), not host {parsed.netloc!r}")
-    if not parsed.path.startswith("/"):
-        raise ValueError("a file:// URL needs an absolute path: file:///mnt/kv")
-    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-    unknown = set(query) - {"max_bytes"}
-    if unknown:
-        raise ValueError(f"unknown file:// option(s) {sorted(unknown)}; known: max_bytes")
-    bound = parse_bytes(query["max_bytes"]) if "max_bytes" in query else None
-    if bound is not None and bound <= 0:
-        raise ValueError("max_bytes must be > 0")
-    return parsed.path, bound
+    return directory_url(url, "a local mount", "/mnt/kv")
 
 
 def validate(url: str) -> None:
