@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.common.entry import HEADER_BYTES
+from kvtier.common.outcomes import BAD, bad
 from kvtier.tiers.disk import DiskIndex, DiskStore, entries_file
 from kvtier.tiers.entry_files import EntryFiles
 from tests.damage import flip_byte
@@ -34,7 +35,7 @@ def read(store, i, place):
 def test_write_read_round_trip_and_owner_only_permissions(disk_dir):
     index = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
     store = DiskStore(disk_dir, FP, SLOT)
-    (place,) = [index.location(k) for k in index.prepare_store([key(1)])]
+    (place,) = index.prepare_store([key(1)]).values()
     store.write(key(1), memoryview(payload(1)), place)
     why, out = read(store, 1, place)
     assert why is None and np.array_equal(out, payload(1))
@@ -54,7 +55,8 @@ def test_damaged_entries_are_misses(disk_dir, damage, reason):
     store = DiskStore(disk_dir, FP, SLOT)
     store.write(key(1), memoryview(payload(1)), 0)
     damage(entries_file(disk_dir, FP))
-    assert reason in read(store, 1, 0)[0]
+    why = read(store, 1, 0)[0]
+    assert why.kind == BAD and reason in why.why  # a damaged entry is dropped, not a tier that failed
 
 
 def test_a_write_cut_short_is_a_miss_not_a_block(disk_dir):
@@ -64,11 +66,11 @@ def test_a_write_cut_short_is_a_miss_not_a_block(disk_dir):
     store.write(key(1), memoryview(payload(1)), 0)
     fd = os.open(entries_file(disk_dir, FP), os.O_RDWR)
     os.pwrite(fd, payload(2)[: SLOT // 2].tobytes(), HEADER_BYTES)
-    assert "checksum" in read(store, 1, 0)[0]
+    assert read(store, 1, 0)[0] == bad("checksum mismatch")
     store.write(key(2), memoryview(payload(2)), 1)
     new_header = os.pread(fd, HEADER_BYTES, ENTRY)
     os.pwrite(fd, new_header, 0)  # place 0: key 2's header over half of key 2's payload
-    assert "checksum" in read(store, 2, 0)[0]
+    assert read(store, 2, 0)[0] == bad("checksum mismatch")
     assert read(store, 2, 1)[0] is None
     os.close(fd)
 
@@ -103,7 +105,7 @@ def test_a_run_cut_by_a_file_size_limit_fails_with_efbig(disk_dir):
             "assert store.write_from(keys[:1], [0], [0], 0) == [None];"
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({ENTRY} * 2 + 100, {ENTRY} * 2 + 100));"
             "reasons = store.write_from(keys[1:], [1, 2, 3], [1, 2, 3], 0);"
-            "assert reasons[0] is None and all('EFBIG' in r for r in reasons[1:]), reasons")
+            "assert reasons[0] is None and all('EFBIG' in r.why for r in reasons[1:]), reasons")
     subprocess.run([sys.executable, "-c", code, disk_dir], check=True)
     for place in (0, 1):
         why, out = read(DiskStore(disk_dir, FP, SLOT), place, place)
@@ -115,15 +117,16 @@ def test_a_new_process_finds_the_entries_again(disk_dir):
             f"index = DiskIndex(sys.argv[1], 10 * {ENTRY}, {SLOT}, [{FP!r}]);"
             f"store = DiskStore(sys.argv[1], {FP!r}, {SLOT});"
             "keys = [i.to_bytes(16, 'little') for i in range(5)];"
-            "index.prepare_store(keys);"
-            f"[store.write(k, memoryview(np.full({SLOT}, i, np.uint8)), index.location(k)) for i, k in enumerate(keys)]")
+            "places = index.prepare_store(keys);"
+            f"[store.write(k, memoryview(np.full({SLOT}, i, np.uint8)), places[k]) for i, k in enumerate(keys)]")
     subprocess.run([sys.executable, "-c", code, disk_dir], check=True)
     flip_byte(entries_file(disk_dir, FP), 3 * ENTRY)  # place 3's header is damaged: not found
     index = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
     assert index.lookup([key(i) for i in range(5)]) == [True, True, True, False, True]
-    why, out = read(DiskStore(disk_dir, FP, SLOT), 4, index.location(key(4)))
+    why, out = read(DiskStore(disk_dir, FP, SLOT), 4, index.prepare_load([key(4)])[0])
     assert why is None and (out == 4).all()
-    assert index.prepare_store([key(7)]) == [key(7)] and index.location(key(7)) not in (0, 1, 2, 4)
+    places = index.prepare_store([key(7)])
+    assert list(places) == [key(7)] and places[key(7)] not in (0, 1, 2, 4)
 
 
 def test_instances_on_one_directory_each_take_a_file_and_a_restart_takes_one_back(disk_dir):
@@ -132,15 +135,16 @@ def test_instances_on_one_directory_each_take_a_file_and_a_restart_takes_one_bac
     first, second = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP]), DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])
     assert (first.file_number, second.file_number) == (0, 1)
     store = DiskStore(disk_dir, FP, SLOT)
+    places = {}
     for index, i in ((first, 1), (second, 2)):
-        index.prepare_store([key(i)])
-        store.write(key(i), memoryview(payload(i)), index.location(key(i)))
+        places.update(index.prepare_store([key(i)]))
+        store.write(key(i), memoryview(payload(i)), places[key(i)])
         index.complete_store([key(i)])
-    assert first.location(key(1)) != second.location(key(2))
+    assert places[key(1)] != places[key(2)]
     first.close()
     again = DiskIndex(disk_dir, 10 * ENTRY, SLOT, [FP])  # file 0 is free again; file 1 is still held
     assert again.file_number == 0 and again.lookup([key(1), key(2)]) == [True, False]
-    assert read(store, 1, again.location(key(1)))[0] is None
+    assert read(store, 1, again.prepare_load([key(1)])[0])[0] is None
     second.close()
     again.close()
 
@@ -148,15 +152,17 @@ def test_instances_on_one_directory_each_take_a_file_and_a_restart_takes_one_bac
 def test_capacity_evicts_least_recently_used_unpinned(disk_dir):
     store = DiskStore(disk_dir, FP, SLOT)
     index = DiskIndex(disk_dir, 2 * ENTRY, SLOT, [FP])
+    places = {}
     for i in (1, 2):
-        index.prepare_store([key(i)])
-        store.write(key(i), memoryview(payload(i)), index.location(key(i)))
+        places.update(index.prepare_store([key(i)]))
+        store.write(key(i), memoryview(payload(i)), places[key(i)])
         index.complete_store([key(i)])
     index.prepare_load([key(1)])  # pinned: must survive
-    assert index.prepare_store([key(3)]) == [key(3)]
+    third = index.prepare_store([key(3)])
+    assert list(third) == [key(3)]
     assert index.lookup([key(1), key(2)]) == [True, False] and index.num_evictions == 1
-    assert index.location(key(3)) != index.location(key(1))  # 2's place went to 3
-    assert index.prepare_store([key(4)]) == []  # 1 pinned + 3 being written: no room
+    assert third[key(3)] == places[key(2)] != places[key(1)]  # 2's place went to 3
+    assert index.prepare_store([key(4)]) == {}  # 1 pinned + 3 being written: no room
     index.complete_load([key(1)])
 
 
@@ -166,7 +172,7 @@ def test_discard_frees_a_corrupt_entrys_place(disk_dir):
     index.complete_store([key(1)])
     index.discard(key(1))
     assert index.lookup([key(1)]) == [False]
-    assert index.prepare_store([key(2)]) == [key(2)] and index.num_evictions == 0
+    assert list(index.prepare_store([key(2)])) == [key(2)] and index.num_evictions == 0
 
 
 def test_entry_files_round_trip_and_leave_no_temporary_file(tmp_path):
@@ -177,7 +183,7 @@ def test_entry_files_round_trip_and_leave_no_temporary_file(tmp_path):
     assert stat.S_IMODE(os.stat(files.path(key(1))).st_mode) == 0o600
     assert not list(tmp_path.rglob("*.tmp"))
     os.truncate(files.path(key(1)), HEADER_BYTES + SLOT // 2)
-    assert "wrong size" in files.read(key(1), memoryview(out))
+    assert "wrong size" in files.read(key(1), memoryview(out)).why
 
 
 def _zero(path, offset, size):

@@ -17,7 +17,8 @@ import torch
 
 from kvtier.cli.servers import local_mooncake, local_redis
 from kvtier.common.config import ConfigError, KVTierConfig
-from kvtier.tiers.base import TierSpec
+from kvtier.tiers.base import TierSpec, unavailable
+from kvtier.tiers.registry import tier_specs
 from tests.e2e.apps import ROOT
 
 FP = b"\x07" * 16
@@ -40,10 +41,10 @@ def test_a_failing_pool_never_closes_its_client_under_a_call_in_flight(tmp_path)
 
 def test_urls_that_kvtier_prints_carry_no_password(tmp_path, caplog):
     with pytest.raises(ConfigError) as error:
-        KVTierConfig.from_sources({"remote_url": "redis://:hunter2@/0"}, environ={})
+        tier_specs(KVTierConfig.from_sources({"remote_url": "redis://:hunter2@/0"}, environ={}))
     assert "remote_url" in str(error.value) and "hunter2" not in str(error.value)
     with pytest.raises(ConfigError) as error:
-        KVTierConfig.from_sources({"remote_url": "ftp://kv:hunter2@host/x?password=hunter2"}, environ={})
+        tier_specs(KVTierConfig.from_sources({"remote_url": "ftp://kv:hunter2@host/x?password=hunter2"}, environ={}))
     assert "remote_url" in str(error.value) and "hunter2" not in str(error.value)
 
     from kvtier.tiers.pool import GuardedClient
@@ -108,7 +109,7 @@ def test_a_full_redis_refuses_writes_without_taking_the_pool_down(tmp_path):
         reasons = store.write_from(keys_of(range(32)), list(range(32)), [-1] * 32, 0)
         stored = [i for i, reason in enumerate(reasons) if reason is None]
         refused = [reason for reason in reasons if reason is not None]
-        assert stored and refused and all(reason == "refused by the storage pool" for reason in refused)
+        assert stored and refused and all(reason == unavailable("refused by the storage pool") for reason in refused)
         assert store.client.available and store.client.num_failures == 0
         expected = host[stored].copy()
         host[stored] = 0

@@ -2,7 +2,7 @@
 
 import time
 
-from kvtier.integrations.vllm.handoffs import ASK_EVERY_S, HandOffs
+from kvtier.scheduler.handoffs import ASK_EVERY_S, HandOffs
 from kvtier.integrations.vllm.metrics import KVTierStats, StatsTracker
 from tests.test_manager import manager
 
@@ -27,7 +27,7 @@ def test_a_request_waits_until_its_blocks_arrive_or_the_bound_and_is_counted_as_
 def test_a_request_waits_while_its_blocks_keep_arriving_and_stops_once_they_stall(monkeypatch):
     import types
 
-    from kvtier.integrations.vllm import handoffs as module
+    from kvtier.scheduler import handoffs as module
 
     clock = [100.0]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))

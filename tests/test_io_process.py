@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.common.entry import checksum
+from kvtier.common.outcomes import BAD, FULL, GONE, UNAVAILABLE, Miss, bad
 from kvtier.tiers.disk import DiskStore, entries_in
 from tests.test_tiering import Engine, keys_of, layouts, randomize
 
@@ -410,7 +411,8 @@ def test_sigkill_of_the_engine_takes_the_io_process_and_leaves_no_half_written_e
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2**40), st.lists(st.one_of(st.none(), st.text(max_size=30)), max_size=20)),
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.lists(st.one_of(st.none(), st.builds(
+    Miss, st.sampled_from([BAD, GONE, UNAVAILABLE, FULL]), st.text(max_size=30))), max_size=20)),
                 min_size=1, max_size=8),
        st.lists(st.integers(1, 200), min_size=1, max_size=40))
 def test_frames_read_in_pieces_of_any_size_come_out_whole_and_in_order(outcomes, cuts):
@@ -547,7 +549,7 @@ def test_writes_frame_their_entries_with_the_checksums_their_copy_took(tier, key
             path.slots[:] = 0
             reasons = _job(path, False, keys, [0, 1, 2, 3])
             assert np.array_equal(path.slots[:3], rows[:3])
-            assert reasons == [None] * 4 if keyed else reasons[:3] == [None] * 3 and reasons[3] == "checksum mismatch"
+            assert reasons == [None] * 4 if keyed else reasons[:3] == [None] * 3 and reasons[3] == bad("checksum mismatch")
             # A read whose checksums the load's copy checks: the store checks the rest and answers the
             # checksum each header holds (slot 3's wrong one too, for the copy to catch); a keyed store
             # checks its tags itself and answers none.

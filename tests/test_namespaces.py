@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kvtier.common import namespaces
+from kvtier.tiers import namespaces
 from kvtier.common.keys import Namespace, block_keys
 from kvtier.tiers.base import TierSpec
 from kvtier.tiers.registry import make_index, make_store, release_outside
@@ -43,8 +43,9 @@ def store_blocks(tier: TierSpec, space: Namespace, tokens) -> dict:
     keys = block_keys(space.fingerprint(), tokens, space.block_size)
     index, store = make_index(tier, SLOT, [rank]), make_store(tier, rank, SLOT)
     store.attach(np.random.default_rng(0).integers(0, 256, (len(keys), SLOT), dtype=np.uint8))
-    keys = index.prepare_store(keys)
-    assert store.write_from(keys, list(range(len(keys))), [index.location(k) for k in keys],
+    places = index.prepare_store(keys)
+    keys = list(places)
+    assert store.write_from(keys, list(range(len(keys))), list(places.values()),
                             time.monotonic() + 10) == [None] * len(keys)
     index.complete_store(keys, [])
     index.close()
@@ -118,10 +119,11 @@ def test_key_at_names_the_other_namespaces_block_covering_a_position():
 def test_the_disk_events_journal_keeps_to_what_the_disk_holds_while_it_runs(tmp_path):
     """Stores and evictions for a long time: the journal is rewritten to the live blocks once
     the records past them pile up, and a restart reads back exactly the live ones."""
-    from kvtier.integrations.vllm.events import BlockMeta, DiskJournal
+    from kvtier.integrations.vllm.events import BlockMeta, meta_of
+    from kvtier.scheduler.announcements import DiskJournal
 
     path = tmp_path / "entries-0.kvtier.events"
-    journal = DiskJournal(path, set())
+    journal = DiskJournal(path, set(), meta_of=meta_of)
     meta = [BlockMeta(os.urandom(32), None, tuple(range(16)), None, None, None) for _ in range(10)]
     keys = [os.urandom(16) for _ in range(10)]
     for round_ in range(500):  # 5,000 stores, the disk never holding more than 10 blocks
@@ -130,7 +132,7 @@ def test_the_disk_events_journal_keeps_to_what_the_disk_holds_while_it_runs(tmp_
             journal.append(key, one)
     journal.close()
     assert path.stat().st_size < 2 * 10 * 100 + 1000 * 100  # one record is under 100 bytes
-    again = DiskJournal(path, set(keys[:4]))  # the disk holds 4 of them now
+    again = DiskJournal(path, set(keys[:4]), meta_of=meta_of)  # the disk holds 4 of them now
     deadline = time.monotonic() + 10
     found = []
     while len(found) < 4 and time.monotonic() < deadline:
@@ -142,18 +144,19 @@ def test_the_disk_events_journal_keeps_to_what_the_disk_holds_while_it_runs(tmp_
 def test_a_block_stored_again_since_the_journals_last_rewrite_is_announced_once_at_restart(tmp_path):
     """Each store of a block appends a record; a restart announces the block once, with its last
     record's metadata (it announced every record before: one block, many "stored" events)."""
-    from kvtier.integrations.vllm.events import BlockMeta, DiskJournal
+    from kvtier.integrations.vllm.events import BlockMeta, meta_of
+    from kvtier.scheduler.announcements import DiskJournal
 
     path = tmp_path / "entries-0.kvtier.events"
     key = os.urandom(16)
     first, last = (BlockMeta(os.urandom(32), None, tuple(range(16)), None, None, None) for _ in range(2))
-    journal = DiskJournal(path, set())
+    journal = DiskJournal(path, set(), meta_of=meta_of)
     journal.append(key, first)
     journal.close()
-    journal = DiskJournal(path, {key})  # rewritten to the one record, then the block is evicted and stored again
+    journal = DiskJournal(path, {key}, meta_of=meta_of)  # rewritten to the one record, then the block is evicted and stored again
     journal.drop(key)
     journal.append(key, last)
     journal.close()
-    again = DiskJournal(path, {key})
+    again = DiskJournal(path, {key}, meta_of=meta_of)
     again.close()  # the journal is read before its thread takes the close
     assert again.take_found() == [(key, last)]

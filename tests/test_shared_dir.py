@@ -10,6 +10,7 @@ from kvtier.common.config import ConfigError, KVTierConfig
 from kvtier.common.entry import HEADER_BYTES
 from kvtier.tiers.disk import entries_in
 from kvtier.tiers.entry_files import entry_path
+from kvtier.tiers.registry import tier_specs
 from tests.damage import flip_byte
 from tests.test_remote import BS, Instance, answer_holding_the_gil, keys_of
 
@@ -121,7 +122,7 @@ def test_max_bytes_bounds_the_directory(shared):
 ])
 def test_a_bad_file_url_fails_at_start_up_naming_the_key(url, words):
     with pytest.raises(ConfigError, match="remote_url") as error:
-        KVTierConfig.from_sources({"remote_url": url}, environ={})
+        tier_specs(KVTierConfig.from_sources({"remote_url": url}, environ={}))
     assert words in str(error.value)
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.integrations.vllm.requests import Requests
-from kvtier.integrations.vllm.store_plans import StorePlans
+from kvtier.scheduler.requests import Requests
+from kvtier.scheduler.store_plans import StorePlans
 from tests.test_manager import FINGERPRINT, manager
 
 BLOCK = 32

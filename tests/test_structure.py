@@ -17,7 +17,10 @@ MAX_CLASS_LINES = 250
 # The scheduler's half and the I/O process's: they run without torch and without any engine.
 TORCH_FREE = ["kvtier.scheduler.manager", "kvtier.scheduler.completions", "kvtier.scheduler.lookups",
               "kvtier.scheduler.load_waves", "kvtier.scheduler.ledger", "kvtier.scheduler.hits", "kvtier.common.plans",
-              "kvtier.common.keys", "kvtier.common.config", "kvtier.common.entry", "kvtier.common.namespaces",
+              "kvtier.scheduler.requests", "kvtier.scheduler.store_plans", "kvtier.scheduler.handoffs",
+              "kvtier.scheduler.announcements",
+              "kvtier.common.outcomes",
+              "kvtier.common.keys", "kvtier.common.config", "kvtier.common.entry", "kvtier.tiers.namespaces",
               "kvtier.tiers.registry", "kvtier.tiers.host", "kvtier.tiers.disk", "kvtier.tiers.shared_dir",
               "kvtier.tiers.mooncake", "kvtier.tiers.redis", "kvtier.io.process", "kvtier.io.client"]
 
@@ -115,8 +118,10 @@ def test_the_worker_side_and_the_scheduler_side_import_nothing_of_each_other():
 
 
 def test_the_shared_types_import_no_side():
-    """``kvtier.common`` is what every side builds on: it imports none of them."""
-    sides = ("kvtier.scheduler", "kvtier.worker", "kvtier.io", "kvtier.transfer", "kvtier.integrations", "kvtier.cli")
+    """``kvtier.common`` is what every side builds on: it imports none of them, nor any tier (the
+    configuration leaves a tier URL to its tier's module, asked when the tiers are built)."""
+    sides = ("kvtier.scheduler", "kvtier.worker", "kvtier.io", "kvtier.transfer", "kvtier.integrations", "kvtier.cli",
+             "kvtier.tiers")
     found = {(m, side) for side in sides for m in _importers_of(side) if m.startswith("kvtier.common")}
     assert found == set()
 

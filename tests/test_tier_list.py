@@ -69,15 +69,15 @@ def test_tiers_come_from_yaml_and_from_the_environment_in_order(tmp_path):
     ({"tiers": "no-scheme"}, "scheme '' is not one of"),
 ])
 def test_a_bad_tier_fails_at_start_up_naming_the_key_and_the_entry(extra, words):
-    with pytest.raises(ConfigError, match="key 'tiers'") as error:
-        KVTierConfig.from_sources(extra, environ={})
+    with pytest.raises(ConfigError, match="key 'tiers'") as error:  # the key's own options, or its tiers'
+        tier_specs(KVTierConfig.from_sources(extra, environ={}))
     assert words in str(error.value)
 
 
 def test_a_disk_tier_in_a_directory_kvtier_cannot_write_fails_at_start_up(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="key 'tiers'.*is not a directory"):
-        KVTierConfig.from_sources({"tiers": [f"disk://{tmp_path}/file/kv"]}, environ={})
+        tier_specs(KVTierConfig.from_sources({"tiers": [f"disk://{tmp_path}/file/kv"]}, environ={}))
 
 
 @pytest.mark.parametrize("key, value", [("disk_dir", "/tmp"), ("remote_url", "file:///tmp"), ("store_to", "disk")])
@@ -90,7 +90,7 @@ def test_tiers_and_a_shorthand_key_at_once_is_refused(key, value, tmp_path):
 
 def test_remote_url_names_a_shared_tier_only(tmp_path):
     with pytest.raises(ConfigError, match="key 'remote_url'.*not shared between instances"):
-        KVTierConfig.from_sources({"remote_url": f"disk://{tmp_path}"}, environ={})
+        tier_specs(KVTierConfig.from_sources({"remote_url": f"disk://{tmp_path}"}, environ={}))
 
 
 def test_two_disk_tiers_on_two_directories_load_in_lookup_order_byte_exact(tmp_path):

@@ -138,7 +138,7 @@ def test_corrupt_disk_entry_fails_only_its_block_and_is_forgotten(disk_dir):
     engine.store(keys_of(range(2, 3)), [3])
     engine.store(keys_of(range(10, 12)), [4, 5])  # push the first blocks out of host
     path = entries_file(disk_dir, engine.worker.rank_fingerprint)
-    offset = engine.manager.tier("disk").location(keys_of([1])[0]) * (HEADER_BYTES + engine.worker.layout.slot_bytes)
+    offset = engine.manager.tier("disk")._location(keys_of([1])[0]) * (HEADER_BYTES + engine.worker.layout.slot_bytes)
     data = bytearray(path.read_bytes())
     data[offset + HEADER_BYTES + 3] ^= 1
     path.write_bytes(bytes(data))

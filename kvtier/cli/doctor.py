@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from kvtier.common import namespaces
+from kvtier.tiers import namespaces
 from kvtier.common.config import ConfigError, KVTierConfig
 from kvtier.common.redact import redact
 
@@ -133,15 +133,15 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
         tier_timeout_s: float = 20.0, token_ids: list[int] | None = None, namespace: str | None = None,
         engine_args: dict | None = None) -> dict:
     checks: list[Check] = []
+    from kvtier.tiers.registry import tier_specs
+
     try:
         config = KVTierConfig.from_sources(_config_sources(config_file, kv_transfer_config))
+        specs = tier_specs(config)  # a tier URL its tier cannot use is the configuration's error too
     except (ConfigError, ValueError, OSError) as error:
         checks.append(Check("configuration", False, redact(error)))
         return {"ok": False, "status": 2, "checks": [asdict(c) for c in checks]}
     checks.append(Check("configuration", True, "valid"))
-    from kvtier.tiers.registry import tier_specs
-
-    specs = tier_specs(config)
     for spec in specs:  # a local directory first: why a write fails there shows here
         if spec.kind.directory is not None and not spec.kind.shared:
             checks.append(check_disk(spec, "disk_dir" if config.tiers is None else f"{spec.name} directory"))

@@ -7,7 +7,7 @@ instance (``kv_consumer``), which loads them; the decode instance's answer (stre
 not) is returned. The request reaches decode unchanged but for prefill's
 ``kv_transfer_params``: where prefill was still storing blocks when it answered (its
 host pool full), they say how many prompt tokens, and decode waits for them
-(``kvtier.integrations.vllm.handoffs``). Instances are used round-robin.
+(``kvtier.scheduler.handoffs``). Instances are used round-robin.
 ``kvtier proxy --prefill URL --decode URL``.
 
 What a client sees when something fails:

@@ -63,12 +63,6 @@ def _parse_store_to(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _valid_remote_url(value: str) -> bool:
-    from kvtier.tiers.registry import validate_url
-    validate_url(value, shared_only=True)  # raises ValueError with the reason
-    return True
-
-
 def _parse_tier_list(value: Any) -> tuple[str, ...] | None:
     """A YAML list, or (from a KVTIER_TIERS variable) a JSON list or URLs split by commas or spaces."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
@@ -82,9 +76,11 @@ def _parse_tier_list(value: Any) -> tuple[str, ...] | None:
 
 
 def _valid_tier_list(value: tuple[str, ...] | None) -> bool:
+    """kvtier's own options of each tier; what a tier's module says of its URL is asked when the
+    tiers are built (``kvtier.tiers.registry.tier_specs``), still at start-up: the configuration
+    imports no tier."""
     if value is not None:
-        from kvtier.tiers.registry import check_tiers
-        check_tiers(_tier_entries(value, None))  # raises ValueError naming the entry and the reason
+        _tier_entries(value, None)  # raises ValueError naming the entry and the reason
     return True
 
 
@@ -246,7 +242,7 @@ KEYS: dict[str, _Key] = {
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
         "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),
     "remote_url": _Key(
-        None, _parse_optional_str, lambda v: v is None or bool(_valid_remote_url(v)),
+        None, _parse_optional_str, lambda v: True,  # its tier's module checks it (``tier_specs``)
         "null, or a mooncake://host:port?metadata=URL, redis://, rediss://, redis+cluster:// or file:///path URL",
         "The tier that instances share (third tier): a storage pool (Mooncake Store, Redis/Valkey) or a "
         "shared directory (file:///mnt/kv, optional ?max_bytes=100GiB); null for none."),
@@ -450,13 +446,17 @@ def _validated(name: str, value: Any) -> Any:
         parsed = key.parse(value)
         ok = key.check(parsed)
     except (TypeError, ValueError) as error:
-        raise ConfigError(
-            f"kvtier config: key '{name}' has value {redact(repr(value))}, which is not allowed "
-            f"({redact(error)}); allowed: {key.allowed}") from None
+        raise not_allowed(name, value, error) from None
     if not ok:
         raise ConfigError(f"kvtier config: key '{name}' has value {redact(repr(value))}, which is not allowed; "
                           f"allowed: {key.allowed}")
     return parsed
+
+
+def not_allowed(name: str, value: Any, error: BaseException) -> ConfigError:
+    """The error for key ``name`` set to ``value``, which ``error`` says is wrong."""
+    return ConfigError(f"kvtier config: key '{name}' has value {redact(repr(value))}, which is not allowed "
+                       f"({redact(error)}); allowed: {KEYS[name].allowed}")
 
 
 def markdown_table() -> str:

@@ -25,6 +25,7 @@ import blake3
 import xxhash
 
 from kvtier.common.keys import FORMAT_VERSION, KEY_BYTES
+from kvtier.common.outcomes import Miss, bad
 
 MAGIC = b"KVTIER\x00\x01"
 _HEADER = struct.Struct("<8sII16s16sQQ")
@@ -67,38 +68,36 @@ def encode_header(fingerprint: bytes, key: bytes, payload, mac_key: bytes | None
 
 
 def check_entry(header: bytes, payload, fingerprint: bytes, key: bytes, payload_bytes: int,
-                mac_key: bytes | None = None, sums: list | None = None, at: int = 0) -> str | None:
-    """None if the entry is the expected one, else why it is not (a miss).
+                mac_key: bytes | None = None, check: bool = True) -> Miss | int | None:
+    """None if the entry is the expected one, else why it is not (a ``Miss`` of kind ``BAD``).
 
-    ``sums``: the caller checks a plain entry's checksum itself (a load's copy to the device
-    takes it as it reads the payload): the payload is not read here, the header's checksum
-    is left in ``sums[at]``. A keyed entry's tag is always checked here."""
+    ``check`` False: the caller checks a plain entry's checksum itself (a load's copy to the
+    device takes it as it reads the payload): the payload is not read here, and the header's
+    checksum is the answer. A keyed entry's tag is always checked here."""
     if len(header) < HEADER_BYTES:
-        return "truncated header"
+        return bad("truncated header")
     magic, version, flags, entry_fingerprint, entry_key, length, entry_checksum = _HEADER.unpack_from(header)
     if magic != MAGIC:
-        return "not a kvtier entry"
+        return bad("not a kvtier entry")
     if version != FORMAT_VERSION:
-        return f"format version {version}, expected {FORMAT_VERSION}"
+        return bad(f"format version {version}, expected {FORMAT_VERSION}")
     if entry_fingerprint != fingerprint:
-        return "foreign namespace"
+        return bad("foreign namespace")
     if entry_key != key:
-        return "other key"
+        return bad("other key")
     if length != payload_bytes or len(payload) != payload_bytes:
-        return f"truncated or wrong length ({len(payload)} of {length} bytes, expected {payload_bytes})"
+        return bad(f"truncated or wrong length ({len(payload)} of {length} bytes, expected {payload_bytes})")
     if mac_key is not None:
         if not flags & KEYED:
-            return "not signed with the entry key"
-        return None if _tag(mac_key, fingerprint, key, payload) == entry_checksum else "entry key tag mismatch"
+            return bad("not signed with the entry key")
+        return None if _tag(mac_key, fingerprint, key, payload) == entry_checksum else bad("entry key tag mismatch")
     if flags & KEYED:
-        return "signed with an entry key, and none is configured"
-    if sums is not None:
-        sums[at] = entry_checksum
-        return None
+        return bad("signed with an entry key, and none is configured")
+    if not check:
+        return entry_checksum
     if checksum(payload) != entry_checksum:
-        return "checksum mismatch"
+        return bad("checksum mismatch")
     return None
-
 
 
 def read_header(header: bytes, fingerprint: bytes, payload_bytes: int) -> bytes | None:

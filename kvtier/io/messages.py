@@ -12,6 +12,8 @@ import struct
 
 import msgspec
 
+from kvtier.common.outcomes import Miss
+
 _LENGTH = struct.Struct("<I")
 
 
@@ -46,7 +48,7 @@ class Job(msgspec.Struct, tag=True):
 
 class Outcome(msgspec.Struct, tag=True):
     job_id: int
-    reasons: list[str | None]  # per block: None done, else why not
+    reasons: list[Miss | None]  # per block: None done, else why not
     # A check_in_copy read's, per block: the checksum its entry's header holds, for the worker to
     # compare; None where the store checked the entry itself (a keyed one) or read none.
     checksums: list[int | None] | None = None

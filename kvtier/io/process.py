@@ -42,7 +42,7 @@ import time
 from kvtier.common.host_slots import HostSlots
 from kvtier.io.messages import Exists, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
 from kvtier.io.pages import map_for_writing
-from kvtier.tiers.base import TierSpec, unavailable
+from kvtier.tiers.base import SharedStore, TierSpec, bad, unavailable
 from kvtier.tiers.registry import make_store
 
 logger = logging.getLogger("kvtier.io")
@@ -107,10 +107,11 @@ class _Server:
             self.lanes[spec.name] = _Lanes(self, spec.name, max(2, spec.threads))
         self._drain_s = setup.drain_s
         send(self.sock, Ready(errors))
-        for store in self.stores.values():  # after Ready: a pool that is slow to answer delays no start-up
+        shared = {name: store for name, store in self.stores.items() if isinstance(store, SharedStore)}
+        for store in shared.values():  # after Ready: a pool that is slow to answer delays no start-up
             threading.Thread(target=store.connect, daemon=True, name="kvtier-io-connect").start()
         if memory_fd < 0:  # a lookup process: what a pool's server drops on its own, its index hears at once
-            for name, store in self.stores.items():
+            for name, store in shared.items():
                 store.watch_gone(lambda names, tier=name: self._answer(Gone(tier, names)))
 
     def _answer(self, message) -> None:
@@ -123,16 +124,20 @@ class _Server:
 
     def _run(self, job: Job) -> None:
         store = self.stores[job.tier]
-        sums = [None] * len(job.keys) if job.check_in_copy and not job.write else None
-        deleted = None
+        sums = deleted = None
         try:
             if job.write:
                 reasons = store.write_from(job.keys, job.slot_ids, job.locations, job.deadline, job.checksums)
-                deleted = store.take_deleted()  # this write's, or another thread's since the last answer
+                if isinstance(store, SharedStore):
+                    deleted = store.take_deleted()  # this write's, or another thread's since the last answer
             else:
-                reasons = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline, sums)
+                outcomes = store.read_into(job.keys, job.slot_ids, job.locations, job.deadline, not job.check_in_copy)
+                # An int is a plain entry's checksum, left to the worker's copy to compare (``check_in_copy``).
+                reasons = [None if isinstance(o, int) else o for o in outcomes]
+                if job.check_in_copy:
+                    sums = [o if isinstance(o, int) else None for o in outcomes]
         except Exception as error:  # every job gets an answer, whatever the store raises
-            reasons, sums = [f"{type(error).__name__}: {error}"] * len(job.keys), None
+            reasons, sums = [bad(f"{type(error).__name__}: {error}")] * len(job.keys), None
         self._answer(Outcome(job.job_id, list(reasons), sums, deleted or None))
         with self._settled:
             self._in_flight -= 1
@@ -140,6 +145,9 @@ class _Server:
 
     def _check(self, check: Exists) -> None:
         store = self.stores[check.tier]
+        if not isinstance(store, SharedStore):  # only a tier that others write is asked: no answer, a miss
+            self._answer(Found(check.job_id, None, 0))
+            return
         try:
             found = store.exists(check.names)
         except Exception:  # no answer is a miss for the index, never a crash here

@@ -131,20 +131,19 @@ class Completions:
             self.stats.stored_blocks += len(job.slot_ids)
         else:
             self.stats.failed_store_blocks += len(job.slot_ids)
-        for name, keys in job.writes.items():
-            failed = {key for r in reports for key in r.failed_writes.get(name, ())}
-            written = [k for k in keys if k not in failed and success]  # every rank wrote its shard
-            self._tiers[name].complete_store(written, [k for k in keys if k not in written])
-            if any(name in r.full_tiers for r in reports):  # after its failed keys gave their room back
-                self._tiers[name].device_full()
-            self.stats.written_blocks[name] += len(written)
-            self.stats.failed_writes[name] += len(keys) - len(written)
         deleted: dict[str, dict[bytes, None]] = {}  # tier -> entries its store deleted, each rank's its own shards
         for r in reports:
             for name, keys in r.deleted.items():
                 deleted.setdefault(name, {}).update(dict.fromkeys(keys))
-        for name, keys in deleted.items():  # after this job's own writes: a later deletion is the latest news
-            self._tiers[name].deleted_by_store(list(keys))
+        for name in {**job.writes, **deleted}:
+            keys = job.writes.get(name, [])
+            failed = {key for r in reports for key in r.failed_writes.get(name, ())}
+            written = [k for k in keys if k not in failed and success]  # every rank wrote its shard
+            # The index takes the deletions after this job's own writes: a later deletion is the latest news.
+            self._tiers[name].complete_store(written, [k for k in keys if k not in written],
+                                             list(deleted.get(name, ())), any(name in r.full_tiers for r in reports))
+            self.stats.written_blocks[name] += len(written)
+            self.stats.failed_writes[name] += len(keys) - len(written)
 
     def _complete_load(self, job: LoadJob, reports: list[JobReport], bad_keys: set[bytes]) -> None:
         failed_blocks = {b for r in reports for b in r.failed_block_ids}

@@ -6,7 +6,7 @@ shared list as a block becomes loadable from it (``stored``) or stops being
 of the key gets (evicted from which tier, damaged) and, for KV events, into what
 ``take_holdings`` returns. Misses are counted in prompt tokens; a block never stored
 here is first looked for under the other namespaces recorded in the tiers
-(``kvtier.common.namespaces.ForeignProbe``), off the scheduler's thread.
+(``kvtier.tiers.namespaces.ForeignProbe``), off the scheduler's thread.
 """
 
 from __future__ import annotations

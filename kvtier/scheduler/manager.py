@@ -75,7 +75,8 @@ class TierManager:
     def may_hold(self, key: bytes) -> bool:
         """A guess that costs a few dict lookups: the host pool or a tier that answers from its own
         list holds ``key``. A tier that asks its server is not asked (no guess from it)."""
-        return self.host.contains(key) or any(tier.holds(key) for tier in self.tiers)
+        return self.host.contains(key) or any(tier.lookup([key], None)[0] for tier in self.tiers
+                                              if tier not in self.lookups.asking)
 
     def wait_for_lookups(self, timeout_s: float) -> None:
         """An engine step that computes nothing: wait, at most ``timeout_s``, for the tiers' answers
@@ -125,6 +126,7 @@ class TierManager:
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
         host_at = [i for i in range(end) if sources[i] == HOST]
         slot_at = dict(zip(host_at, self.host.prepare_load([keys[i] for i in host_at])))
+        location_at = {}  # where each tier hit's tier keeps it, for its store
         for i in range(end):
             if sources[i] == HOST:
                 continue
@@ -133,7 +135,7 @@ class TierManager:
                 end = i
                 break
             slot_at[i] = plan.slot_ids[0]
-            self.tier(sources[i]).prepare_load((keys[i],))
+            (location_at[i],) = self.tier(sources[i]).prepare_load((keys[i],))
         self.host.complete_load([slot_at[i] for i in host_at if i >= end])  # past the wave: not loaded
         ready = [i for i in range(end) if sources[i] == HOST]
         fills = [i for i in range(end) if sources[i] != HOST]
@@ -145,7 +147,7 @@ class TierManager:
                       [block_ids[i] for i in ready], [slot_at[i] for i in ready], [keys[i] for i in ready],
                       [block_ids[i] for i in fills], [slot_at[i] for i in fills], [keys[i] for i in fills],
                       [sources[i] for i in fills], [] if wave else list(block_ids[end:]), layerwise,
-                      [self.tier(sources[i]).location(keys[i]) for i in fills], final=not wave)
+                      [location_at[i] for i in fills], final=not wave)
         self.stats.planned_blocks.update(sources[:end])
         self.completions.expect(job)
         if wave:
@@ -176,11 +178,11 @@ class TierManager:
         plan = self.host.prepare_store(fitting) if fitting else None
         if plan is None:
             return None
-        writes = {tier: tier.prepare_store(plan.keys) for tier in self._writes_to}
-        writes = {tier: keys for tier, keys in writes.items() if keys}
+        writes = {tier: tier.prepare_store(plan.keys) for tier in self._writes_to}  # key -> location, per tier
+        writes = {tier: places for tier, places in writes.items() if places}
         job = StoreJob(next(self._job_ids), req_id, [wanted[k] for k in plan.keys], plan.slot_ids, plan.keys,
-                       {tier.name: keys for tier, keys in writes.items()},
-                       {tier.name: [tier.location(k) for k in keys] for tier, keys in writes.items()})
+                       {tier.name: list(places) for tier, places in writes.items()},
+                       {tier.name: list(places.values()) for tier, places in writes.items()})
         self.completions.expect(job)
         return job
 

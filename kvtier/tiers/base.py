@@ -24,48 +24,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from urllib.parse import parse_qs, urlparse
 
+# The contract's outcomes, which every tier module takes from here.
+from kvtier.common.outcomes import Miss, bad, full, gone, unavailable  # noqa: F401
 from kvtier.common.redact import redact
 from kvtier.common.units import parse_bytes
 from kvtier.tiers.audit import StoredAudit
-
-
-UNAVAILABLE = "unavailable: "
-
-
-def unavailable(why: str) -> str:
-    """A read's reason when the tier could not be asked (down, I/O process gone): the entry
-    itself may be fine, so it is not dropped or shunned, unlike a corrupt or foreign one."""
-    return UNAVAILABLE + why
-
-
-GONE = "gone: "
-
-
-def gone(why: str) -> str:
-    """A read's reason when the entry is no longer there (evicted since the lookup found it, by
-    this instance or another): nothing is wrong with the tier's entries, so the block, stored
-    again, is offered again at once, unlike a corrupt or foreign one's."""
-    return GONE + why
-
-
-def is_bad_entry(reason: str) -> bool:
-    return not reason.startswith((UNAVAILABLE, GONE))
-
-
-def is_gone(reason: str) -> bool:
-    return reason.startswith(GONE)
-
-
-# A write's reason when the tier's filesystem had no room for it (ENOSPC, EDQUOT): the index
-# is told (``TierIndex.device_full``), so that it makes room among its own entries.
-DEVICE_FULL = "device full: "
-
-
-def is_device_full(reason: str) -> bool:
-    return reason.startswith(DEVICE_FULL)
 
 
 # Errors that the next write will meet too: the device is full, read-only or failing.
@@ -82,24 +48,26 @@ class WriteBackOff:
         self.full_pause_s = pause_s if full_pause_s is None else full_pause_s  # after ENOSPC or EDQUOT
         self._until = 0.0
         self._why = ""
-        self._full = ""  # DEVICE_FULL while the pause is for a full device
+        self._full = False  # the pause is for a full device
         self.num_pauses = 0
 
-    def skipped(self) -> str | None:
+    def skipped(self) -> Miss | None:
         """Why a write is skipped now, or None to try it."""
         left = self._until - time.monotonic()
-        return f"{self._full}write skipped: tier paused for {left:.0f} s after {self._why}" if left > 0 else None
+        if left <= 0:
+            return None
+        return (full if self._full else unavailable)(f"write skipped: tier paused for {left:.0f} s after {self._why}")
 
-    def failed(self, error: BaseException) -> str:
-        """A write raised ``error``: its reason, errno named; a lasting error pauses the writes."""
+    def failed(self, error: BaseException) -> Miss:
+        """A write raised ``error``: its outcome, errno named; a lasting error pauses the writes."""
         code = getattr(error, "errno", None)
         why = f"{errno.errorcode.get(code, code)}: {getattr(error, 'strerror', None) or error}" if code else repr(error)
-        full = DEVICE_FULL if code in FULL_ERRNOS else ""
-        pause_s = self.full_pause_s if full else self.pause_s
+        is_full = code in FULL_ERRNOS
+        pause_s = self.full_pause_s if is_full else self.pause_s
         if code in _LASTING_ERRNOS and pause_s > 0:
-            self._why, self._full, self._until = why, full, time.monotonic() + pause_s
+            self._why, self._full, self._until = why, is_full, time.monotonic() + pause_s
             self.num_pauses += 1
-        return f"{full}write failed: {why}"
+        return (full if is_full else unavailable)(f"write failed: {why}")
 
 
 def pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
@@ -199,7 +167,7 @@ class TierKind:
     directory: Callable[["TierSpec"], str] | None = None
     probe_spec: Callable[["TierSpec", bytes, int], "TierSpec"] | None = None  # a spec for doctor's one-block probe
     notices: Callable[["TierSpec"], str] | None = None  # doctor: when routers hear of what the tier drops
-    # Namespace records (``kvtier.common.namespaces``) and questions asked as a process outside the engine.
+    # Namespace records (``kvtier.tiers.namespaces``) and questions asked as a process outside the engine.
     write_record: Callable[["TierSpec", dict], bool] | None = None
     read_records: Callable[["TierSpec"], list] | None = None
     held_from_outside: Callable[["TierSpec", int, Sequence[bytes], Sequence[bytes]], set] | None = None
@@ -207,7 +175,12 @@ class TierKind:
 
 
 class TierIndex(ABC):
-    """The scheduler's half. Calls come from one thread (the scheduler's)."""
+    """The scheduler's half. Calls come from one thread (the scheduler's).
+
+    The contract is ``lookup`` (abstract), ``prepare_load``/``complete_load``,
+    ``prepare_store``/``complete_store``, ``stats`` and ``close``; each has a default that
+    suits a tier which keeps no list of its own. An index tells what became loadable from
+    it and what stopped being in ``holdings``, where the manager set one."""
 
     name: str
     # Where the index tells what became loadable from it and what stopped being, and why:
@@ -217,63 +190,63 @@ class TierIndex(ABC):
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes], token: str | None) -> list[bool] | None:
-        """Which of ``keys`` the tier holds, one flag per key, at once, from the index's own list; a
-        plan asks again (the tier may have evicted since the lookup). A tier that other instances
-        write answers from the tier itself instead, off the scheduler's thread: ``ExistenceIndex``,
-        whose lookup may say None, "ask again" (same ``token``).
+        """Which of ``keys`` the tier holds, one flag per key, at once, from the index's own list. A
+        tier that other instances write answers from the tier itself instead, off the scheduler's
+        thread: ``ExistenceIndex``, whose lookup may say None, "ask again" (same ``token``); with
+        ``token`` None it answers every key a miss at once (a guess, or a plan's second look).
 
         Per key rather than a count: a loadable prefix may mix tiers (block 0 on disk,
         block 1 only in the pool), and the manager walks it block by block."""
 
-    def holds(self, key: bytes) -> bool | None:
-        """Whether the tier holds ``key``, from the index's own list, marking no use of it; None
-        where only the tier can say (an ``ExistenceIndex``). For a guess that must be cheap."""
-        return None
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Keep these entries loadable until ``complete_load`` (pin them against eviction); returns
+        where the tier keeps each, for its store (-1: the store finds it by key)."""
+        return [-1] * len(keys)
 
-    def listing(self) -> tuple[str, set[bytes]] | None:
-        """For a tier of this instance's own that finds its entries again after a restart (the local
-        disk): a path beside them for the KV events' journal, and the keys it holds now. None: it
-        keeps no list across restarts, and a restart announces none of its blocks."""
-        return None
+    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes] = (),
+                      gone_keys: Sequence[bytes] = ()) -> None:
+        """The loads of ``keys`` are over; ``bad_keys`` were found corrupt or foreign (a ``BAD``
+        miss), ``gone_keys`` no longer there (``GONE``: evicted or expired since the lookup)."""
 
-    def prepare_load(self, keys: Sequence[bytes]) -> None:
-        """Keep these entries loadable until ``complete_load`` (pin them against eviction)."""
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        """Reserve room; returns the keys to write (those the tier does not hold, that fit), in
+        order, each with where the tier keeps it, for its store (-1: the store finds it by key)."""
+        return dict.fromkeys(keys, -1)
 
-    def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes], gone_keys: Sequence[bytes] = ()) -> None:
-        """The loads of ``keys`` are over; ``bad_keys`` were found corrupt or foreign, ``gone_keys``
-        no longer there (evicted or expired since the lookup)."""
-
-    def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Reserve room; returns the keys to write (those the tier does not hold, that fit)."""
-        return list(keys)
-
-    def deleted_by_store(self, keys: Sequence[bytes]) -> None:
-        """The tier's store deleted these entries to stay within its bound (``TierStore.take_deleted``)."""
+    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes] = (),
+                       deleted: Sequence[bytes] = (), full: bool = False) -> None:
+        """The writes of ``written`` landed; those of ``failed`` did not. ``deleted``: entries the
+        tier's store deleted meanwhile to stay within its bound (``SharedStore.take_deleted``).
+        ``full``: a write found no room on the tier's filesystem (a ``FULL`` miss), short of the
+        tier's own bound: an index that keeps a list holds at most what it holds now."""
         if self.holdings is not None:
-            self.holdings += [("evicted", self.name, key) for key in keys]
-
-    def location(self, key: bytes) -> int:
-        """Where the tier keeps a key it holds or reserved, for its store (-1: the store finds it)."""
-        return -1
-
-    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes]) -> None:
-        """The writes of ``written`` landed; those of ``failed`` did not."""
-
-    def device_full(self) -> None:
-        """A write found no room on the tier's filesystem (ENOSPC, EDQUOT), short of the tier's own
-        bound: a tier that keeps a list holds at most what it holds now, evicting to make room."""
+            self.holdings += [("evicted", self.name, key) for key in deleted]
 
     def stats(self) -> dict[str, int]:
+        """Counters for metrics and reports (``entries``, ``evictions``, ...)."""
         return {}
 
     def close(self) -> None:
         return None
 
 
+@runtime_checkable
+class ListedIndex(Protocol):
+    """An index of this instance's own tier that finds its entries again after a restart (the
+    local disk) may also say what it holds, for the KV events' journal (``listing``): a path
+    beside its entries, and the keys it holds now. An index without it keeps no list across
+    restarts, and a restart announces none of its blocks."""
+
+    def listing(self) -> tuple[str, set[bytes]]: ...
+
+
 class TierStore(ABC):
     """The I/O process's half. Calls come from the I/O process's threads, concurrently.
 
-    ``attach`` hands it the host pool, mapped in the I/O process: an array of
+    The contract is ``read_into`` and ``write_from`` (abstract) and ``close``: each answers
+    one outcome per block, None (done) or a ``Miss`` (``kvtier.common.outcomes``).
+
+    ``attach`` hands it the host pool, mapped in the I/O process, before any job: an array of
     ``num_slots`` rows of ``slot_bytes``, and where each slot has a head right before it
     (``kvtier.common.host_slots``), those as ``num_slots`` rows of ``HEADER_BYTES``. Jobs name
     slots by row."""
@@ -287,44 +260,50 @@ class TierStore(ABC):
 
     @abstractmethod
     def read_into(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
-                  deadline: float, sums: list | None = None) -> list[str | None]:
-        """Read each key's entry (at the index's ``location``) into its slot; per block None
-        (the slot holds the block) or why it is a miss. ``sums`` (one item per key): the caller
-        checks plain entries' checksums (``kvtier.common.entry.check_entry``): each one's is left in
-        ``sums[i]``, and its payload is not read here."""
+                  deadline: float, check: bool = True) -> list[Miss | int | None]:
+        """Read each key's entry (at the index's location) into its slot; per block None (the slot
+        holds the block) or a ``Miss``. ``check`` False: the caller checks plain entries' checksums
+        (a load's copy to the device takes them as it reads the slots): such an entry's payload is
+        not read here, and its outcome is the checksum its header holds
+        (``kvtier.common.entry.check_entry``)."""
 
     @abstractmethod
     def write_from(self, keys: Sequence[bytes], slot_ids: Sequence[int], locations: Sequence[int],
-                   deadline: float, checksums: Sequence[int] | None = None) -> list[str | None]:
-        """Write each slot as its key's entry; per block None (stored) or why not. ``checksums``,
+                   deadline: float, checksums: Sequence[int] | None = None) -> list[Miss | None]:
+        """Write each slot as its key's entry; per block None (stored) or a ``Miss``. ``checksums``,
         where the worker sends them, are the slots' xxh3-64, taken by the copy that filled them
         (``kvtier.common.entry.encode_header``'s ``check``): the store then does not read the slots to take them."""
 
+    def close(self) -> None:
+        return None
+
+
+class SharedStore(TierStore):
+    """A store of a tier that outlives this instance and that others may write (a storage pool, a
+    shared directory): what the I/O process may ask of it besides the contract. Each default
+    suits a store that cannot do it."""
+
     num_down = 0  # times the store's client was marked down (a storage pool)
 
-    def take_deleted(self) -> list[bytes]:
-        """Keys of the entries this store deleted to stay within its size bound since the last call
-        (a store that evicts on the I/O side: the shared directory); its index hears of them."""
-        return []
+    def connect(self) -> None:
+        """Called once, on a thread of its own, when the I/O process is up: a store with a client
+        connects it here, so that the first job does not wait for it."""
+
+    def exists(self, names: Sequence[str]) -> list[bool] | None:
+        """Asked by its index through a lookup process: whether each name is stored; None if the
+        store could not ask."""
+        raise NotImplementedError(f"{type(self).__name__} answers no existence checks")
 
     def watch_gone(self, tell: Callable[[list[str]], None]) -> None:
         """In an index's lookup process: where the tier's server says which entries it drops on its
         own (evicts, expires), call ``tell(names)`` with those of this instance's names, from a
         thread of the store's own, as they come. Most tiers cannot say: nothing to do."""
-        return None
 
-    def connect(self) -> None:
-        """Called once, on a thread of its own, when the I/O process is up: a store with a client
-        connects it here, so that the first job does not wait for it."""
-        return None
-
-    def exists(self, names: Sequence[str]) -> list[bool] | None:
-        """For a store that other instances write too (a storage pool), asked by its index through a
-        lookup process: whether each name is stored; None if the store could not ask."""
-        raise NotImplementedError(f"{type(self).__name__} answers no existence checks")
-
-    def close(self) -> None:
-        return None
+    def take_deleted(self) -> list[bytes]:
+        """Keys of the entries this store deleted to stay within its size bound since the last call
+        (a store that evicts on the I/O side: the shared directory); its index hears of them
+        (``TierIndex.complete_store``'s ``deleted``)."""
+        return []
 
 
 POLL_S = 0.0002  # how often a wait asks a check that cannot wake it (a shared directory's native thread)
@@ -469,7 +448,7 @@ class ExistenceIndex(TierIndex):
         now = time.monotonic()
         return [bool(hit) and self._failed.get(key, 0.0) <= now for key, hit in zip(keys, found)]
 
-    def complete_store(self, written, failed):
+    def complete_store(self, written, failed=(), deleted=(), full=False):
         if self.holdings is not None:
             self.holdings += [("stored", self.name, key) for key in written]
         if self.audit is not None:
@@ -479,6 +458,11 @@ class ExistenceIndex(TierIndex):
             self._answered = {token: answer for token, answer in self._answered.items()
                               if answer[2] is None or not any(not hit and key in written
                                                              for key, hit in zip(answer[0], answer[2]))}
+        if deleted:  # this instance's store deleted them for the tier's bound: told here, no audit finds them again
+            if self.audit is not None:
+                self.audit.let_go(deleted)
+            self.num_deleted += len(deleted)
+            super().complete_store((), (), deleted)
 
     def complete_load(self, keys, bad_keys, gone_keys=()):
         if self.holdings is not None:  # a damaged entry is not offered again: not loadable from here
@@ -495,12 +479,6 @@ class ExistenceIndex(TierIndex):
         if len(self._failed) > 100_000:
             now = time.monotonic()
             self._failed = {k: t for k, t in self._failed.items() if t > now}
-
-    def deleted_by_store(self, keys: Sequence[bytes]) -> None:
-        if self.audit is not None:  # told here: no audit finds them again
-            self.audit.let_go(keys)
-        self.num_deleted += len(keys)
-        super().deleted_by_store(keys)
 
     def told_gone(self, keys: Sequence[bytes]) -> None:
         """Any thread: the tier's server evicted or expired these entries."""
@@ -527,9 +505,10 @@ class ExistenceIndex(TierIndex):
     def _drop_gone(self, keys: Sequence[bytes]) -> None:
         if self.holdings is not None:
             self.holdings += [("evicted", self.name, key) for key in keys]
-        gone = set(keys)  # an answer that found one of them stands no more: the next lookup asks again
+        dropped = set(keys)  # an answer that found one of them stands no more: the next lookup asks again
         self._answered = {token: answer for token, answer in self._answered.items()
-                          if answer[2] is None or not any(hit and key in gone for key, hit in zip(answer[0], answer[2]))}
+                          if answer[2] is None or not any(hit and key in dropped
+                                                         for key, hit in zip(answer[0], answer[2]))}
 
     def stats(self) -> dict[str, int]:
         """Entries this instance deleted for the tier's bound, and those the tier dropped on its own, as

@@ -13,7 +13,7 @@ The tier's two halves (``kvtier.tiers.base``):
 - ``DiskIndex`` runs in the scheduler: which key is in which place (found again
   at start-up from the places' headers), pins for loads in flight, LRU eviction
   within ``disk_bytes``, or within what it holds once its filesystem is found full
-  (``device_full``; the bound is not raised again while it runs). It holds an
+  (``complete_store``'s ``full``; the bound is not raised again while it runs). It holds an
   exclusive lock on its files: several
   instances on one directory (vLLM servers on the GPUs of one node, all with the
   default ``disk_dir``) each take a file of their own, ``n`` = 0, 1, ..., and at a
@@ -37,7 +37,8 @@ from typing import Sequence
 from urllib.parse import unquote
 
 from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header, read_header, read_header_length
-from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, directory_url, pwritev_all
+from kvtier.tiers.base import (Miss, TierIndex, TierKind, TierSpec, TierStore, WriteBackOff, bad, directory_url,
+                               pwritev_all)
 
 logger = logging.getLogger("kvtier.disk")
 
@@ -82,7 +83,7 @@ class DiskIndex(TierIndex):
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []  # free places, the lowest last: files stay dense at their start
         # At most this many entries: capacity_entries, or fewer once the filesystem was found full
-        # (``device_full``); then a store evicts first, and takes the evicted entry's place, written before.
+        # (``complete_store``'s ``full``); then a store evicts first, and takes the evicted entry's place, written before.
         self.limit_entries = 0
         self.num_evictions = 0
         self.num_discarded = 0
@@ -150,15 +151,12 @@ class DiskIndex(TierIndex):
                 self._ready.move_to_end(key)
         return found
 
-    def holds(self, key: bytes) -> bool:
-        return key in self._ready
-
     def listing(self) -> tuple[str, set[bytes]]:
         """The journal goes beside this instance's entries file (of the first rank): each instance on
         one directory has a file, and a journal, of its own."""
         return f"{entries_file(self.root, self.rank_fingerprints[0], self.file_number)}.events", set(self._ready)
 
-    def location(self, key: bytes) -> int:
+    def _location(self, key: bytes) -> int:
         return (self.file_number << FILE_BITS) | self._place_of[key]
 
     def stats(self) -> dict[str, int]:
@@ -167,13 +165,14 @@ class DiskIndex(TierIndex):
     def contains(self, key: bytes) -> bool:
         return key in self._place_of
 
-    def prepare_load(self, keys: Sequence[bytes]) -> None:
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pin ready entries so that eviction leaves their places until ``complete_load``."""
         for key in keys:
             if key not in self._ready:
                 raise KeyError(key.hex())
         for key in keys:
             self._pins[key] = self._pins.get(key, 0) + 1
+        return [self._location(key) for key in keys]
 
     def complete_load(self, keys: Sequence[bytes], bad_keys: Sequence[bytes] = (),
                       gone_keys: Sequence[bytes] = ()) -> None:
@@ -186,8 +185,8 @@ class DiskIndex(TierIndex):
         for key in (*bad_keys, *gone_keys):  # after the pins are gone, so that discarding works
             self.discard(key)
 
-    def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Reserve a place for each key not yet on disk; returns those to write.
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        """Reserve a place for each key not yet on disk; returns those to write, with their places.
 
         Evicts least recently used, unpinned entries to make room; writes only as
         many keys as fit.
@@ -201,9 +200,10 @@ class DiskIndex(TierIndex):
             self._place_of[key] = self._free.pop()  # last in: an evicted entry's place, if one was evicted
             self._writing.add(key)
             accepted.append(key)
-        return accepted
+        return {key: self._location(key) for key in accepted}
 
-    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes] = ()) -> None:
+    def complete_store(self, written: Sequence[bytes], failed: Sequence[bytes] = (), deleted: Sequence[bytes] = (),
+                       full: bool = False) -> None:
         for key in written:
             self._writing.discard(key)
             self._ready[key] = None
@@ -212,8 +212,10 @@ class DiskIndex(TierIndex):
         for key in failed:  # the place may hold part of the write: its old header's checksum fails it
             self._writing.discard(key)
             self._free.append(self._place_of.pop(key))
+        if full:  # after the failed keys gave their room back
+            self._hold_at_most_now()
 
-    def device_full(self) -> None:
+    def _hold_at_most_now(self) -> None:
         held = max(1, len(self._place_of))
         if held < self.limit_entries:
             logger.warning("kvtier: the %s tier's filesystem (%s) is full at %d entries (%.1f MiB per rank), short of "
@@ -275,12 +277,12 @@ def entries_in(root, rank_fingerprints: Sequence[bytes] | None = None) -> list[t
 
 def write_record(spec: TierSpec, record: dict) -> bool:
     """A namespace record, in ``namespaces/`` beside the entries."""
-    from kvtier.common.namespaces import write_record_in
+    from kvtier.tiers.namespaces import write_record_in
     return bool(write_record_in(spec.location, record))
 
 
 def read_records(spec: TierSpec) -> list[dict]:
-    from kvtier.common.namespaces import read_records_in
+    from kvtier.tiers.namespaces import read_records_in
     return read_records_in([spec.location])
 
 
@@ -370,25 +372,25 @@ class DiskStore(TierStore):
         # next writes go to places that were written before (the sparse file's space, taken).
         self.back_off = WriteBackOff(full_pause_s=0.0)
 
-    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
-        return [self._read_guarded(key, memoryview(self.host[slot]), location, sums, i)
-                for i, (key, slot, location) in enumerate(zip(keys, slot_ids, locations))]
+    def read_into(self, keys, slot_ids, locations, deadline, check=True) -> list[Miss | int | None]:
+        return [self._read_guarded(key, memoryview(self.host[slot]), location, check)
+                for key, slot, location in zip(keys, slot_ids, locations)]
 
-    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
-        reasons: list[str | None] = []
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[Miss | None]:
+        reasons: list[Miss | None] = []
         for first, end in _runs(locations, self.entry_bytes):
             reasons += self._write_guarded(keys[first:end], [memoryview(self.host[s]) for s in slot_ids[first:end]],
                                            locations[first], None if checksums is None else checksums[first:end])
         return reasons
 
-    def _read_guarded(self, key: bytes, out: memoryview, location: int, sums: list | None, at: int) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, location: int, check: bool) -> Miss | int | None:
         try:
-            return self.read(key, out, location, sums, at)
+            return self.read(key, out, location, check)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
-            return f"read failed: {error!r}"
+            return bad(f"read failed: {error!r}")
 
     def _write_guarded(self, keys: Sequence[bytes], payloads: Sequence[memoryview], location: int,
-                       checks: Sequence[int] | None) -> list[str | None]:
+                       checks: Sequence[int] | None) -> list[Miss | None]:
         if skipped := self.back_off.skipped():
             return [skipped] * len(keys)
         try:
@@ -429,9 +431,9 @@ class DiskStore(TierStore):
             buffers += [memoryview(encode_header(self.rank_fingerprint, key, payload, self.mac_key, check)), payload]
         pwritev_all(fd, buffers, offset)
 
-    def read(self, key: bytes, out: memoryview, location: int, sums: list | None = None, at: int = 0) -> str | None:
-        """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
-        the caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
+    def read(self, key: bytes, out: memoryview, location: int, check: bool = True) -> Miss | int | None:
+        """Read one entry into ``out``; None on success, else why it is a miss. ``check`` False: the
+        caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """
@@ -439,8 +441,8 @@ class DiskStore(TierStore):
         fd, offset = self._file(location)
         got = os.preadv(fd, [header, out], offset)
         if got != HEADER_BYTES + len(out):
-            return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, sums, at)
+            return bad(f"truncated ({got} bytes read)")
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, check)
 
     def close(self) -> None:
         _close_all(list(self._fds.values()))

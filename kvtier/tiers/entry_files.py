@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
-from kvtier.tiers.base import TierStore, WriteBackOff, gone, pwritev_all
+from kvtier.tiers.base import Miss, TierStore, WriteBackOff, bad, gone, pwritev_all
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -44,22 +44,21 @@ class EntryFiles(TierStore):
         self._writer_id = f"{socket.gethostname()}.{os.getpid()}"
         self.back_off = WriteBackOff()
 
-    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
-        return [self._read_guarded(key, memoryview(self.host[slot]), sums, i)
-                for i, (key, slot) in enumerate(zip(keys, slot_ids))]
+    def read_into(self, keys, slot_ids, locations, deadline, check=True) -> list[Miss | int | None]:
+        return [self._read_guarded(key, memoryview(self.host[slot]), check) for key, slot in zip(keys, slot_ids)]
 
-    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[Miss | None]:
         checks = checksums or [None] * len(keys)
         return [self._write_guarded(key, memoryview(self.host[slot]), check)
                 for key, slot, check in zip(keys, slot_ids, checks)]
 
-    def _read_guarded(self, key: bytes, out: memoryview, sums: list | None, at: int) -> str | None:
+    def _read_guarded(self, key: bytes, out: memoryview, check: bool) -> Miss | int | None:
         try:
-            return self.read(key, out, sums, at)
+            return self.read(key, out, check)
         except Exception as error:  # every block gets an outcome, whatever the filesystem raises
-            return f"read failed: {error!r}"
+            return bad(f"read failed: {error!r}")
 
-    def _write_guarded(self, key: bytes, payload: memoryview, check: int | None) -> str | None:
+    def _write_guarded(self, key: bytes, payload: memoryview, check: int | None) -> Miss | None:
         if skipped := self.back_off.skipped():
             return skipped
         try:
@@ -99,9 +98,9 @@ class EntryFiles(TierStore):
             _unlink_quietly(temporary)
             raise
 
-    def read(self, key: bytes, out: memoryview, sums: list | None = None, at: int = 0) -> str | None:
-        """Read one entry into ``out``; None on success, else why it is a miss. ``sums``, ``at``:
-        the caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
+    def read(self, key: bytes, out: memoryview, check: bool = True) -> Miss | int | None:
+        """Read one entry into ``out``; None on success, else why it is a miss. ``check`` False: the
+        caller checks the payload's checksum (``kvtier.common.entry.check_entry``).
 
         On failure ``out`` holds garbage and must not be used.
         """
@@ -111,19 +110,19 @@ class EntryFiles(TierStore):
         except FileNotFoundError:
             return gone("missing")
         except OSError as error:
-            return f"unreadable: {error}"
+            return bad(f"unreadable: {error}")
         try:
             size = os.fstat(fd).st_size
             if size != HEADER_BYTES + len(out):
-                return f"truncated or wrong size ({size} bytes)"
+                return bad(f"truncated or wrong size ({size} bytes)")
             got = os.readv(fd, [header, out])
         except OSError as error:
-            return f"unreadable: {error}"
+            return bad(f"unreadable: {error}")
         finally:
             os.close(fd)
         if got != HEADER_BYTES + len(out):
-            return f"truncated ({got} bytes read)"
-        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, sums, at)
+            return bad(f"truncated ({got} bytes read)")
+        return check_entry(bytes(header), out, self.rank_fingerprint, key, len(out), self.mac_key, check)
 
 
 def _make_dirs(root: Path, path: Path) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.common.redact import redact
-from kvtier.tiers.base import ExistenceIndex, TierSpec, TierStore, gone, index_timings, unavailable
+from kvtier.tiers.base import ExistenceIndex, Miss, SharedStore, TierSpec, bad, gone, index_timings, unavailable
 
 logger = logging.getLogger("kvtier.pool")
 
@@ -426,7 +426,7 @@ def _record_name(slot: int) -> str:
 
 
 def write_pool_record(spec: TierSpec, connect: Callable[[], PoolClient], record: dict) -> bool:
-    """Leave ``record`` (``kvtier.common.namespaces``) in the pool, in the slot its fingerprint names."""
+    """Leave ``record`` (``kvtier.tiers.namespaces``) in the pool, in the slot its fingerprint names."""
     import json
 
     data = json.dumps(record, separators=(",", ":")).encode()
@@ -521,7 +521,7 @@ class _Rows:
         return Spans([flat[i * pitch:i * pitch + width] for i in ids], [self.address + i * pitch for i in ids])
 
 
-class PoolStore(TierStore):
+class PoolStore(SharedStore):
     """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
 
     def __init__(self, spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int, connect: Callable[[], PoolClient],
@@ -546,24 +546,24 @@ class PoolStore(TierStore):
             self.client.register(self.heads.ctypes.data, self.heads.nbytes)
         self._head_rows, self._slot_rows = _Rows(self.heads), _Rows(host_slots)
 
-    def read_into(self, keys, slot_ids, locations, deadline, sums=None) -> list[str | None]:
+    def read_into(self, keys, slot_ids, locations, deadline, check=True) -> list[Miss | int | None]:
         heads, slots = self._head_rows.spans(slot_ids), self._slot_rows.spans(slot_ids)
         found = self.client.call("get_into", [pool_key(self.rank_fingerprint, key) for key in keys], heads, slots)
         if found is None:
             return [unavailable("storage pool down or failing")] * len(keys)
         # A value gone since the lookup found it (the pool evicted it) is a miss, not a bad entry.
-        return [check_entry(bytes(head), slot, self.rank_fingerprint, key, self.slot_bytes, self.mac_key, sums, i)
-                if hit else gone("no longer in the storage pool") if hit is None else "wrong size in the storage pool"
-                for i, (key, head, slot, hit) in enumerate(zip(keys, heads, slots, found))]
+        return [check_entry(bytes(head), slot, self.rank_fingerprint, key, self.slot_bytes, self.mac_key, check)
+                if hit else gone("no longer in the storage pool") if hit is None else bad("wrong size in the storage pool")
+                for key, head, slot, hit in zip(keys, heads, slots, found)]
 
-    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[str | None]:
+    def write_from(self, keys, slot_ids, locations, deadline, checksums=None) -> list[Miss | None]:
         heads, slots = self._head_rows.spans(slot_ids), self._slot_rows.spans(slot_ids)
         for key, head, slot, check in zip(keys, heads, slots, checksums or [None] * len(keys)):
             head[:] = encode_header(self.rank_fingerprint, key, slot, self.mac_key, check)
         stored = self.client.call("put", [pool_key(self.rank_fingerprint, k) for k in keys], heads, slots)
         if stored is None:
             return [unavailable("storage pool down or failing")] * len(keys)
-        return [None if ok else "refused by the storage pool" for ok in stored]
+        return [None if ok else unavailable("refused by the storage pool") for ok in stored]
 
     def exists(self, names: Sequence[str]) -> list[bool] | None:
         return self.client.call("exists", names) if self.client.available else None

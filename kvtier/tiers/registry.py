@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from typing import Sequence
 from urllib.parse import urlparse
 
+from kvtier.common.config import KVTierConfig, not_allowed
 from kvtier.common.entry import load_entry_key
 from kvtier.tiers import base
 from kvtier.tiers.base import TierIndex, TierKind, TierSpec, TierStore
@@ -83,8 +84,18 @@ def _name(kind: TierKind, given: str | None, taken: list[str]) -> str:
     return name
 
 
-def tier_specs(config) -> list[TierSpec]:
-    """The configured tiers below the host pool, in lookup order (``KVTierConfig.tier_entries``)."""
+def tier_specs(config: KVTierConfig) -> list[TierSpec]:
+    """The configured tiers below the host pool, in lookup order (``KVTierConfig.tier_entries``).
+    Raises ``ConfigError``, naming the key, for a tier kvtier cannot use: every path that builds
+    tiers comes here first, at start-up."""
+    key = "tiers" if config.tiers is not None else "remote_url"
+    try:
+        if config.tiers is not None:
+            check_tiers(config.tier_entries())
+        elif config.remote_url is not None:
+            validate_url(config.remote_url, shared_only=True)
+    except ValueError as error:
+        raise not_allowed(key, getattr(config, key), error) from None
     specs: list[TierSpec] = []
     for entry in config.tier_entries():
         kind = kind_of(entry.url)
@@ -110,7 +121,7 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> Tier
 
 
 def write_record(spec: TierSpec, record: dict) -> bool | None:
-    """Leave a namespace record (``kvtier.common.namespaces``) in the tier; None: it keeps none."""
+    """Leave a namespace record (``kvtier.tiers.namespaces``) in the tier; None: it keeps none."""
     write = spec.kind.write_record
     return write(spec, record) if write is not None else None
 

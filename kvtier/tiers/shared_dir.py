@@ -28,7 +28,8 @@ from typing import Sequence
 
 from kvtier._native import stat_batch
 from kvtier.common.entry import HEADER_BYTES
-from kvtier.tiers.base import FULL_ERRNOS, ExistenceIndex, TierKind, TierSpec, directory_url, index_timings
+from kvtier.tiers.base import (FULL_ERRNOS, ExistenceIndex, Miss, SharedStore, TierKind, TierSpec, directory_url,
+                               index_timings)
 from kvtier.tiers.entry_files import EntryFiles, entry_name, entry_path
 
 logger = logging.getLogger("kvtier.shared_dir")
@@ -88,12 +89,12 @@ def held_from_outside(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequen
 
 def write_record(spec: TierSpec, record: dict) -> bool:
     """A namespace record, in ``namespaces/`` beside the entries."""
-    from kvtier.common.namespaces import write_record_in
+    from kvtier.tiers.namespaces import write_record_in
     return bool(write_record_in(_directory_and_bound(spec.location)[0], record))
 
 
 def read_records(spec: TierSpec) -> list[dict]:
-    from kvtier.common.namespaces import read_records_in
+    from kvtier.tiers.namespaces import read_records_in
     return read_records_in([_directory_and_bound(spec.location)[0]])
 
 
@@ -109,7 +110,7 @@ def _size(path: Path) -> int:
         return -1
 
 
-class SharedDirStore(EntryFiles):
+class SharedDirStore(EntryFiles, SharedStore):
     def __init__(self, root: str, rank_fingerprint: bytes, slot_bytes: int, max_bytes: int | None):
         super().__init__(root, rank_fingerprint, slot_bytes)
         self.max_bytes = max_bytes
@@ -129,9 +130,9 @@ class SharedDirStore(EntryFiles):
             if sub.is_dir(follow_symlinks=False):
                 yield from (e for e in os.scandir(sub.path) if not e.name.endswith(".tmp"))
 
-    def read(self, key: bytes, out: memoryview, sums: list | None = None, at: int = 0) -> str | None:
-        why = super().read(key, out, sums, at)
-        if why is None and self.max_bytes is not None:
+    def read(self, key: bytes, out: memoryview, check: bool = True) -> Miss | int | None:
+        why = super().read(key, out, check)
+        if not isinstance(why, Miss) and self.max_bytes is not None:
             try:
                 os.utime(self.path(key))  # recently used: the last to be deleted by a size bound
             except OSError:

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.common.plans import JobReport, LoadJob
-from kvtier.tiers.base import is_bad_entry, is_gone, unavailable
+from kvtier.common.outcomes import BAD, GONE, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Load
 
@@ -108,7 +108,7 @@ class LoadPath:
         """The I/O process answered one chunk of reads (on its receiver thread, or the engine's step);
         ``sums``: the checksums its entries hold, which the copy checks (``check_in_copy``)."""
         usable_blocks, usable_slots, usable_keys, expected = [], [], [], []
-        misses: dict[str, list[bytes]] = {}  # reason -> its entries: one line each (a pool's eviction misses many)
+        misses: dict = {}  # Miss -> its entries: one line each (a pool's eviction misses many)
         with self.book.lock:
             for i, (block, slot, key, why) in enumerate(zip(blocks, slots, keys, reasons)):
                 if why is None:
@@ -120,9 +120,9 @@ class LoadPath:
                     continue
                 misses.setdefault(why, []).append(key)
                 load.report.failed_block_ids.append(block)
-                if is_bad_entry(why):  # not a tier that could not be asked, nor an entry gone: the entry itself is bad
+                if why.kind == BAD:  # not a tier that could not be asked, nor an entry gone: the entry itself
                     load.report.bad_keys.append(key)
-                elif is_gone(why):
+                elif why.kind == GONE:
                     load.report.gone_keys.append(key)
             for why, missed in misses.items():
                 if len(missed) == 1:

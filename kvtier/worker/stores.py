@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.common.plans import JobReport, StoreJob
-from kvtier.tiers.base import is_device_full, unavailable
+from kvtier.common.outcomes import FULL, unavailable
 from kvtier.transfer.engine import TransferResult
 from kvtier.worker.jobs import JobBook, Store
 
@@ -34,7 +34,7 @@ class FailedWritesLog:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
 
-    def failed(self, tier: str, count: int, why: str) -> None:
+    def failed(self, tier: str, count: int, why) -> None:
         now = time.monotonic()
         quiet = self._quiet.get(tier, 0) + count
         if now - self._last.get(tier, -self.every_s) < self.every_s:
@@ -162,7 +162,7 @@ class StorePath:
                 store.report.deleted.setdefault(tier, []).extend(deleted)
             if failed:
                 store.report.failed_writes.setdefault(tier, []).extend(failed)
-                if tier not in store.report.full_tiers and any(why and is_device_full(why) for why in reasons):
+                if tier not in store.report.full_tiers and any(why is not None and why.kind == FULL for why in reasons):
                     store.report.full_tiers.append(tier)
             if store.writes_left == 0:
                 self._finish(store)

@@ -20,13 +20,10 @@ class MemoIndex(TierIndex):
     def lookup(self, keys, token):
         return [key in self.held for key in keys]
 
-    def holds(self, key):
-        return key in self.held
-
     def prepare_store(self, keys):
-        return [key for key in keys if key not in self.held]
+        return {key: -1 for key in keys if key not in self.held}
 
-    def complete_store(self, written, failed):
+    def complete_store(self, written, failed=(), deleted=(), full=False):
         self.held.update(written)
         if self.holdings is not None:  # KV events and miss reasons hear of it
             self.holdings += [("stored", self.name, key) for key in written]
@@ -46,9 +43,9 @@ class MemoStore(TierStore):
         self.entries: dict[bytes, bytes] = {}  # key -> header and payload
         self.lock = threading.Lock()  # the I/O process runs a tier's jobs on several threads
 
-    def read_into(self, keys, slot_ids, locations, deadline, sums=None):
+    def read_into(self, keys, slot_ids, locations, deadline, check=True):
         reasons = []
-        for i, (key, slot) in enumerate(zip(keys, slot_ids)):
+        for key, slot in zip(keys, slot_ids):
             with self.lock:
                 entry = self.entries.get(key)
             if entry is None:
@@ -57,7 +54,7 @@ class MemoStore(TierStore):
             out = memoryview(self.host[slot])
             out[:] = entry[HEADER_BYTES:]
             reasons.append(check_entry(entry[:HEADER_BYTES], out, self.fingerprint, key, len(out), self.mac_key,
-                                       sums, i))
+                                       check))
         return reasons
 
     def write_from(self, keys, slot_ids, locations, deadline, checksums=None):

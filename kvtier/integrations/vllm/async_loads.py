@@ -13,8 +13,8 @@ frees (the head of vLLM's queue waits): a hit that vLLM's own prefix cache cover
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.handoffs import handed_tokens
 from kvtier.integrations.vllm.requests import loads_nothing, unsupported
+from kvtier.scheduler.handoffs import handed_tokens
 
 
 def may_load_async(side, request) -> bool:

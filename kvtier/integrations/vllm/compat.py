@@ -10,7 +10,7 @@
 
 - 0.34 sends a request resumed after preemption among the new ones, whole (its blocks
   and its worker state anew); earlier releases send it among the running ones, named in
-  ``resumed_req_ids``. ``requests.Requests.follow_blocks`` takes either.
+  ``resumed_req_ids``. ``requests.follow_blocks`` takes either.
 
 - 0.33 hands ``register_kv_caches`` per-layer views of one allocation, laid out in the
   physical order of its KV cache layout (``LBNHC`` by default on CUDA, or as

@@ -28,9 +28,9 @@ class KVTierConnector(VllmCompat, KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.kvtier_config = KVTierConfig.from_sources(extra_config)  # fails at start-up, naming the key
+        specs = tier_specs(self.kvtier_config)  # so does a tier URL that its tier cannot use
         kv_role = self._kv_transfer_config.kv_role
-        if kv_role in ("kv_producer", "kv_consumer") and not any(spec.kind.shared for spec in
-                                                                 tier_specs(self.kvtier_config)):
+        if kv_role in ("kv_producer", "kv_consumer") and not any(spec.kind.shared for spec in specs):
             raise ValueError(f"kvtier config: kv_role {kv_role!r} hands KV through the pool, so key 'remote_url' "
                              f"(or an entry of 'tiers') must name one (mooncake://... or redis://...)")
         geometry = engine_geometry(vllm_config, kv_cache_config, self.kvtier_config)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.requests import RequestState, Requests, loads_nothing
+from kvtier.integrations.vllm.requests import loads_nothing
+from kvtier.scheduler.requests import RequestState, Requests
 
 
 def count_misses(manager, requests: Requests, geometry, request, state: RequestState, hit_tokens: int,

@@ -13,16 +13,17 @@ import logging
 from vllm.v1.request import RequestStatus
 
 from kvtier.common.config import KVTierConfig
-from kvtier.integrations.vllm.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
-from kvtier.integrations.vllm.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata, check_handshakes
 from kvtier.integrations.vllm.metrics import StatsTracker
 from kvtier.integrations.vllm.misses import count_misses
 from kvtier.integrations.vllm.namespace import EngineGeometry
-from kvtier.integrations.vllm.requests import Requests, loads_nothing, unsupported
-from kvtier.integrations.vllm.store_plans import StorePlans
+from kvtier.integrations.vllm.requests import extra_keys, follow_blocks, loads_nothing, unsupported
+from kvtier.scheduler.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
+from kvtier.scheduler.handoffs import PARAM, HandOffs, handed_tokens
 from kvtier.scheduler.hits import LoadHits
 from kvtier.scheduler.manager import TierManager
+from kvtier.scheduler.requests import Requests
+from kvtier.scheduler.store_plans import StorePlans
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -44,7 +45,7 @@ class SchedulerSide:
         self.fingerprint = geometry.namespace.fingerprint()
         # Built when every rank has announced its layout (vLLM's start-up handshake).
         self.manager: TierManager | None = None
-        self.requests = Requests(self.fingerprint, self.block_size)  # each request's keys and device blocks
+        self.requests = Requests(self.fingerprint, self.block_size, extra_keys)  # each request's keys and device blocks
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
         self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
         if not geometry.extends_loaded_kv:
@@ -76,7 +77,7 @@ class SchedulerSide:
             self.requests.on_keyed = self._events.remember  # vLLM's hashes of new blocks, for any tier's events
         # This instance's namespace recorded beside its entries (for other instances and `kvtier doctor`),
         # and theirs read, to tell a miss of a block they hold from one never stored: off this thread.
-        from kvtier.common.namespaces import ForeignProbe, record_of
+        from kvtier.tiers.namespaces import ForeignProbe, record_of
         record = record_of(self.geometry.namespace, fingerprints, self.geometry.slot_bytes)
         self.manager.ledger.probe = ForeignProbe(self.manager.specs, record, self.config.remote_timeout_s)
         logger.info("kvtier: %d host slots, tiers %s, layout %s", self.manager.host.num_slots,
@@ -167,7 +168,7 @@ class SchedulerSide:
         self.hits.planned(job, tokens_of)  # a load larger than the free host slots: its waves follow
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        self._preempted_store_job_ids += self.requests.follow_blocks(scheduler_output)
+        self._preempted_store_job_ids += follow_blocks(self.requests, scheduler_output)
         for job in self.manager.waves.due_jobs() if self.manager is not None else ():
             self._new_loads.append(job)
             self.hits.planned(job)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from kvtier.common.keys import Namespace, block_keys
 
-logger = logging.getLogger("kvtier.common.namespaces")
+logger = logging.getLogger("kvtier.tiers.namespaces")
 
 FOLDER = "namespaces"
 MAX_FOREIGN = 8  # the newest records probed; older ones are not

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from kvtier.integrations.vllm.requests import Requests, RequestState
+from kvtier.scheduler.requests import Requests, RequestState
 from kvtier.scheduler.manager import TierManager
 
 
