@@ -1,0 +1,290 @@
+"""``kvtier bench serve``: vLLM's own benchmark client against your model, served three ways in turn.
+
+Servers, one at a time, each vLLM's OpenAI server on loopback with the same model and flags:
+
+- ``none``: no connector;
+- ``kvtier``: kvtier with your configuration (``--kvtier-config``, a JSON object of
+  ``kv_connector_extra_config``; by default the embedded default with its disk in the workdir);
+- ``ideal`` (``--ideal``): no connector, with a device KV cache of ``--ideal-blocks`` blocks,
+  one that holds every prefix of the workload.
+
+Each is driven by vLLM's own client (``vllm.benchmarks.serve``: any dataset it has, any
+concurrency), the same requests in the same order. The table sets kvtier against the others
+measured in the same run: TTFT (mean, median, p99), time per output token, requests per
+second, and the prompt tokens kvtier loaded by tier (its ``/metrics``).
+
+A fair comparison gives every server the same CPUs. vLLM's CPU build reserves one more core
+per rank for its other processes whenever any KV connector is configured (in its layout with
+the worker in a process of its own): left alone, the worker computes on fewer cores with
+kvtier than without, or, where the reservation exceeds the machine, on more. So every server
+here runs with the same ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``), and the
+threads each server's worker computes on are read from its process (the CPUs its OpenMP
+threads are bound to): where they differ, the result says so (``fair``: false) and the
+command exits with status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+# Defaults that run on a small CPU machine in a few minutes on a generated model: shared prefixes
+# that return after others pushed them out of a device cache that holds about a third of them.
+DATASET = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+           "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "12",
+           "--prefix-repetition-output-len", "16", "--num-prompts", "48"]
+BLOCKS = 96  # 3,072 tokens at block size 32: about 5 of the 12 prefixes
+IDEAL_BLOCKS = 640  # every prefix and every running request's own tokens
+VLLM_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--gpu-memory-utilization", "0.3"]
+CLIENT = ("import argparse, sys\n"
+          "from vllm.benchmarks import serve\n"
+          "parser = argparse.ArgumentParser()\n"
+          "serve.add_cli_args(parser)\n"
+          "serve.main(parser.parse_args(sys.argv[1:]))\n")
+START_TIMEOUT_S = 600
+STATS_INTERVAL_S = 10.5  # vLLM logs and publishes its stats every 10 s
+
+
+def worker_threads(pid: int) -> int | None:
+    """The threads the model computes on: the number of CPUs the process that computes it is bound
+    to (vLLM's CPU worker binds its OpenMP threads, one per CPU, ``OMP_NUM_THREADS`` of them, as
+    ``VLLM_CPU_OMP_THREADS_BIND`` and the reservation say). That process is the server's
+    ``Worker`` (vLLM's layout with the worker in a process of its own), else its engine core, else
+    the server itself. Its environment is no witness: a forked worker's ``/proc`` environment is
+    the one its parent started with. None where the server is gone."""
+    import psutil
+
+    try:
+        server = psutil.Process(pid)
+        family = [server, *server.children(recursive=True)]
+    except psutil.Error:
+        return None
+    ranked = sorted(family, key=lambda p: (0 if "Worker" in _title(p) else 1 if "EngineCore" in _title(p) else 2))
+    for process in ranked:
+        try:
+            return len(process.cpu_affinity())
+        except psutil.Error:
+            continue
+    return None
+
+
+def _title(process) -> str:
+    try:
+        return " ".join([process.name(), *process.cmdline()[:1]])
+    except Exception:
+        return ""
+
+
+def fair(threads: dict[str, int | None]) -> bool:
+    """Whether every server's worker computed on the same number of threads (all read)."""
+    values = set(threads.values())
+    return len(values) == 1 and None not in values
+
+
+def settled_hits(server: "Server", timeout_s: float = 40.0) -> dict[str, float]:
+    """kvtier's hit tokens by tier once ``/metrics`` has them and two reads a stats interval apart
+    agree: vLLM publishes a connector's counters at its next stats interval, not at once."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        text = server.metrics()
+        hits = kvtier_hit_tokens(text)
+        if "vllm:kvtier_" in text and hits == last:
+            return hits
+        last = hits
+        time.sleep(STATS_INTERVAL_S)
+    return last or {}
+
+
+def kvtier_hit_tokens(metrics_text: str) -> dict[str, float]:
+    """Prompt tokens kvtier loaded, by tier, from a Prometheus text page."""
+    hits: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:kvtier_hit_tokens_total{") and 'tier="' in line:
+            tier = line.split('tier="', 1)[1].split('"', 1)[0]
+            hits[tier] = hits.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
+    return hits
+
+
+class Server:
+    """One vLLM OpenAI server on loopback, started and stopped here."""
+
+    def __init__(self, name: str, model: str, args: list[str], env: dict, port: int, log: Path):
+        self.name, self.port, self.log = name, port, log
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--host", "127.0.0.1", "--port", str(port), *args]
+        self._log = open(log, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {self.name} server exited ({self.process.returncode}); its log: {self.log}\n"
+                                   + _tail(self.log))
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"the {self.name} server did not start within {timeout_s:.0f} s; its log: {self.log}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as answer:
+            return answer.read().decode()
+
+    def stop(self) -> None:
+        """Ctrl-C, as a user stops it; one not gone within a minute is killed with its children."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: list[str] | None = None,
+        concurrency: int = 4, vllm_args: list[str] | None = None, blocks: int | None = BLOCKS,
+        ideal: bool = True, ideal_blocks: int = IDEAL_BLOCKS, reserved_cpus: int = 1, port: int = 8321,
+        progress=lambda name: None) -> dict:
+    """Serve the workload with each server in turn; their results, measured in this run."""
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    extra = kvtier_config if kvtier_config is not None else {"disk_dir": str(work / "kv-cache")}
+    kv = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                     "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    flags = list(VLLM_ARGS if vllm_args is None else vllm_args)
+    sized = [] if blocks is None else ["--num-gpu-blocks-override", str(blocks)]
+    servers = {"none": flags + sized, "kvtier": flags + sized + ["--kv-transfer-config", kv]}
+    if ideal:
+        servers["ideal"] = flags + ["--num-gpu-blocks-override", str(ideal_blocks)]
+    # The same reservation for every server (see the module's notes); the rest of the environment as given.
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results: dict[str, dict] = {}
+    for name, args in servers.items():
+        progress(name)
+        server = Server(name, model, args, env, port, work / f"{name}.log")
+        try:
+            server.wait_ready()
+            threads = worker_threads(server.process.pid)
+            client = [sys.executable, "-c", CLIENT, "--backend", "vllm", "--base-url", server.url(), "--model", model,
+                      "--endpoint", "/v1/completions", "--max-concurrency", str(concurrency), "--seed", "0",
+                      "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                      "--save-result", "--result-dir", str(work), "--result-filename", f"{name}.json",
+                      "--disable-tqdm", *(DATASET if dataset is None else dataset)]
+            with open(work / f"{name}-client.log", "w") as log:
+                done = subprocess.run(client, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if done.returncode != 0:
+                raise RuntimeError(f"vLLM's client failed against the {name} server; its log: "
+                                   f"{work / f'{name}-client.log'}\n" + _tail(work / f"{name}-client.log"))
+            measured = json.loads((work / f"{name}.json").read_text())
+            hits = settled_hits(server) if name == "kvtier" else {}
+        finally:
+            server.stop()
+        results[name] = {key: measured.get(key) for key in (
+            "completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            "request_throughput", "output_throughput", "total_input_tokens", "duration")}
+        results[name].update(worker_threads=threads, hit_tokens_by_tier=hits)
+    threads = {name: r["worker_threads"] for name, r in results.items()}
+    report = {"model": model, "concurrency": concurrency, "dataset": DATASET if dataset is None else dataset,
+              "vllm_args": flags, "device_blocks": blocks, "reserved_cpus": reserved_cpus,
+              "servers": results, "fair": fair(threads)}
+    for peer in ("none", "ideal"):
+        if peer in results:
+            report[f"kvtier_vs_{peer}"] = _ratios(results["kvtier"], results[peer])
+    return report
+
+
+def _ratios(kvtier: dict, peer: dict) -> dict:
+    out = {}
+    for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "request_throughput"):
+        if kvtier.get(key) is not None and peer.get(key):
+            out[key] = kvtier[key] / peer[key]
+    return out
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """TTFT mean, median and p99 of each server, side by side (needs matplotlib: ``kvtier[demo]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(report["servers"])
+    keys = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        axis.bar([k + i * width for k in range(len(keys))], [report["servers"][name][key] or 0 for key in keys],
+                 width, label=name)
+    axis.set_xticks([k + width * (len(names) - 1) / 2 for k in range(len(keys))], ["mean", "median", "p99"])
+    axis.set_ylabel("time to first token (ms)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def main(args) -> dict:
+    from rich.progress import Progress
+
+    from kvtier.cli.bench.report import print_table
+
+    model = args.model
+    if model is None:
+        from kvtier.cli.demo.model import make_model
+
+        model = str(make_model(Path(args.workdir) / "model", num_layers=4, hidden_size=512, num_heads=8))
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("bench serve", total=None)
+        report = run(model, args.workdir, json.loads(args.kvtier_config) if args.kvtier_config else None,
+                     args.client_args.split() if args.client_args else None, args.concurrency,
+                     args.vllm_args.split() if args.vllm_args is not None else None,
+                     None if args.blocks == 0 else args.blocks, args.ideal, args.ideal_blocks, args.reserved_cpus,
+                     args.port, lambda name: progress.update(task, description=f"bench serve: {name}"))
+    report["plot"] = str(plot(report, Path(args.workdir) / "ttft.png"))
+    (Path(args.workdir) / "result.json").write_text(json.dumps(report, indent=2))
+    if not args.json:
+        rows = []
+        for name, r in report["servers"].items():
+            hits = ", ".join(f"{tier} {int(n):,}" for tier, n in r["hit_tokens_by_tier"].items()) or "-"
+            rows.append((f"{name}: TTFT mean / median / p99", f"{r['mean_ttft_ms']:.0f} / {r['median_ttft_ms']:.0f} / "
+                                                               f"{r['p99_ttft_ms']:.0f} ms"))
+            rows.append((f"{name}: TPOT mean, requests/s", f"{r['mean_tpot_ms']:.1f} ms, {r['request_throughput']:.2f}"))
+            rows.append((f"{name}: worker threads, kvtier hits", f"{r['worker_threads']}, {hits}"))
+        for peer in ("none", "ideal"):
+            ratios = report.get(f"kvtier_vs_{peer}", {})
+            if ratios:
+                rows.append((f"kvtier / {peer}: mean TTFT, requests/s",
+                             f"{ratios['mean_ttft_ms']:.2f}x, {ratios['request_throughput']:.2f}x"))
+        rows.append(("same CPUs for every server", f"{report['fair']} (VLLM_CPU_NUM_OF_RESERVED_CPU="
+                                                   f"{report['reserved_cpus']})"))
+        print_table(f"kvtier bench serve ({report['servers']['none']['completed']} requests, concurrency "
+                    f"{report['concurrency']})", rows)
+    if not report["fair"]:
+        print("kvtier bench serve: the servers' workers computed on different numbers of threads "
+              f"({ {n: r['worker_threads'] for n, r in report['servers'].items()} }): not a fair comparison",
+              file=sys.stderr)
+        args.exit_status = 3
+    return report

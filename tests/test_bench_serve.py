@@ -1,0 +1,66 @@
+"""``kvtier bench serve``: its fairness check and metric reading, and a short run with three real
+vLLM servers on a generated model, each worker computing on the same CPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier.cli.bench import serve
+
+
+def test_a_comparison_is_fair_only_when_every_worker_was_read_and_they_agree():
+    assert serve.fair({"none": 1, "kvtier": 1, "ideal": 1})
+    assert not serve.fair({"none": 1, "kvtier": 2})  # vLLM reserved one more core beside a connector
+    assert not serve.fair({"none": None, "kvtier": 1})  # a worker not read is no evidence
+
+
+def test_hit_tokens_are_read_by_tier_from_the_metrics_page():
+    page = "\n".join([
+        '# HELP vllm:kvtier_hit_tokens_total prompt tokens loaded',
+        'vllm:kvtier_hit_tokens_total{engine="0",model_name="m",tier="host"} 512.0',
+        'vllm:kvtier_hit_tokens_total{engine="0",model_name="m",tier="disk"} 1024.0',
+        'vllm:kvtier_miss_tokens_total{engine="0",model_name="m",reason="never_stored"} 64.0'])
+    assert serve.kvtier_hit_tokens(page) == {"host": 512.0, "disk": 1024.0}
+
+
+def test_the_worker_threads_are_the_cpus_its_process_is_bound_to():
+    """A child bound to one CPU, as vLLM binds its CPU worker: one thread, whatever its environment says."""
+    code = "import os, time; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "7"})
+    try:
+        deadline = time.monotonic() + 10
+        while serve.worker_threads(child.pid) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert serve.worker_threads(child.pid) == 1
+    finally:
+        child.kill()
+        child.wait()
+    assert serve.worker_threads(child.pid) is None  # gone: nothing read
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_bench_serve_runs_three_servers_with_the_same_cpus_and_kvtier_serves_hits(tmp_path):
+    """Prefixes that return after others pushed them out of a 24-block device cache: kvtier loads
+    them; every server's worker computes on the same number of threads, read from its process."""
+    client = ("--dataset-name prefix_repetition --prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 32 "
+              "--prefix-repetition-num-prefixes 6 --prefix-repetition-output-len 4 --num-prompts 12")
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "serve", "--workdir", str(tmp_path),
+                           "--client-args", client, "--blocks", "24",
+                           "--vllm-args", "--max-model-len 512 --block-size 32 --gpu-memory-utilization 0.3", "--ideal-blocks", "160", "--concurrency", "2",
+                           "--port", str(8400 + os.getpid() % 500), "--json"],
+                          capture_output=True, text=True, timeout=1100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert set(report["servers"]) == {"none", "kvtier", "ideal"}
+    threads = {name: r["worker_threads"] for name, r in report["servers"].items()}
+    assert report["fair"] and len(set(threads.values())) == 1 and None not in threads.values(), threads
+    assert all(r["completed"] == 12 for r in report["servers"].values())
+    assert sum(report["servers"]["kvtier"]["hit_tokens_by_tier"].values()) > 0, report["servers"]["kvtier"]
+    assert report["kvtier_vs_none"]["mean_ttft_ms"] > 0 and (tmp_path / "result.json").exists()
