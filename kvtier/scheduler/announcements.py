@@ -51,6 +51,7 @@ class Announcements:
         self._meta: dict[bytes, tuple] = {}
         self._held_in: dict[bytes, set[str]] = {}  # announced in a local tier: key -> those tiers
         # Keys with metadata that no local tier holds, oldest first: at most ``max_unheld`` of them.
+        # A held key's metadata is kept until its last removal is told (a router must hear it).
         self._unheld: OrderedDict[bytes, None] = OrderedDict()
         self.max_unheld = max_unheld
         self.journals = journals or {}  # per tier that lists its entries across restarts
