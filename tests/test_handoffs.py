@@ -2,6 +2,7 @@
 
 import time
 
+from kvtier.scheduler.hit_times import HitTimes
 from kvtier.scheduler.handoffs import ASK_EVERY_S, HandOffs
 from kvtier.integrations.vllm.metrics import KVTierStats, StatsTracker
 from tests.test_manager import manager
@@ -65,16 +66,25 @@ def test_a_request_whose_blocks_cannot_come_waits_no_more_and_is_counted_once():
 def test_waiting_requests_reach_the_stats_even_when_no_counter_moved(tmp_path):
     mgr = manager(str(tmp_path), host_slots=4, disk_entries=8)
     tracker, handoffs = StatsTracker(), HandOffs(timeout_s=0.2)
-    first = tracker.collect(mgr, {}, 0, handoffs)
+    first = tracker.collect(mgr, {}, 0, handoffs, HitTimes())
     assert first is not None and first.data["handoff_waiting_requests"] == 0  # the first gauges
-    assert tracker.collect(mgr, {}, 0, handoffs) is None  # nothing changed
+    assert tracker.collect(mgr, {}, 0, handoffs, HitTimes()) is None  # nothing changed
     handoffs.wait("r", 0)
-    waiting = tracker.collect(mgr, {}, 0, handoffs)
+    waiting = tracker.collect(mgr, {}, 0, handoffs, HitTimes())
     assert waiting is not None and not waiting.is_empty() and waiting.data["handoff_waiting_requests"] == 1
     time.sleep(0.2)
     handoffs.wait("r", 0)
-    timed_out = tracker.collect(mgr, {}, 0, handoffs)
+    timed_out = tracker.collect(mgr, {}, 0, handoffs, HitTimes())
     assert timed_out.data["handoff_waiting_requests"] == 0 and timed_out.data["handoff_timeouts"] == 1
-    assert tracker.collect(mgr, {}, 0, handoffs) is None
+    assert tracker.collect(mgr, {}, 0, handoffs, HitTimes()) is None
     assert KVTierStats(data={}).is_empty()
     mgr.close()
+
+
+def test_a_lookup_waits_only_for_handed_tokens_that_can_still_come():
+    handoffs = HandOffs(timeout_s=10.0, stall_s=5.0)
+    assert handoffs.check("a", 64, 64, lambda req_id: True) == (False, False)  # all there
+    assert handoffs.check("a", 32, 64, lambda req_id: True) == (True, False) and handoffs.num_waiting == 1
+    assert handoffs.check("a", 64, 64, lambda req_id: True) == (False, False) and handoffs.num_waiting == 0
+    assert handoffs.check("b", 0, 64, lambda req_id: False) == (False, False)  # the pool is down: no wait
+    assert handoffs.num_cut_short == 1

@@ -76,6 +76,22 @@ def test_a_prompt_served_twice_is_loaded_the_second_time(first_process, referenc
     assert first_process["kvtier"]["engine_requests"] == 0
 
 
+def test_every_hit_accounts_for_its_time_to_first_token_by_phase(first_process):
+    """kvtier's own counters (one process: read from the scheduler side): each request that loaded
+    was followed to its first token, and its phases sum to no more than the run took."""
+    state = first_process["kvtier"]
+    phases = state["hit_phase_seconds"]
+    phases_run = first_process["phases"]
+    served_cached = sum(1 for phase in phases_run for out in phase["outputs"].values() if out["cached"])
+    aborted = sum(len(phase.get("aborted", ())) for phase in phases_run)  # some after their first token
+    # each counted once, and only a request that loaded
+    assert 1 <= state["hit_requests"] <= served_cached + aborted
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["forward"] > 0 and phases["copy"] > 0  # every hit computed its last token; some copied blocks
+    assert phases["read"] > 0  # the host pool is too small for the working set: some hits came from disk
+    assert state["timed_requests"] == 0  # nothing followed is left over (aborts included)
+
+
 def test_concurrent_requests_with_random_aborts_are_correct_and_leak_nothing(first_process, reference):
     expected = reference["phases"][1]["outputs"]
     served = 0
@@ -218,6 +234,13 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     assert metrics["vllm:kvtier_store_bytes_total"] > 0 and metrics["vllm:kvtier_load_bytes_total"] > 0
     assert metrics["vllm:kvtier_miss_tokens_total"] >= 1000
     assert metrics["vllm:kvtier_host_slots"] > 0
+    # The second request's time to first token by phase (``kvtier bench serve --explain`` reads these).
+    assert metrics["vllm:kvtier_hit_requests_total"] == 1
+    phases = {key.split("|", 1)[1]: value for key, value in metrics.items()
+              if key.startswith("vllm:kvtier_hit_phase_seconds_total|")}
+    assert set(phases) == {"queue", "lookup", "plan", "to_worker", "read", "copy", "report", "resume", "forward"}
+    assert phases["forward"] > 0 and phases["copy"] > 0 and all(v >= 0 for v in phases.values())
+    assert phases["read"] == 0  # a host hit reads nothing from a tier
     # Every metric the Grafana dashboard in docs/ charts is one this server exports.
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvtier.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]

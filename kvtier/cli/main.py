@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "ideal device cache, each with the same CPUs")
     serve.add_argument("--model", default=None, help="a model directory or name (default: a generated 4-layer Llama)")
     serve.add_argument("--kvtier-config", default=None, help="kvtier's kv_connector_extra_config, as JSON (default: "
-                                                             "the embedded default, its disk in the workdir)")
+                                                             "a disk tier in the workdir behind an 8 MiB host pool)")
     serve.add_argument("--client-args", default=None, help="vLLM's client's dataset flags, e.g. '--dataset-name "
                                                            "random --random-input-len 1024 --num-prompts 64' "
                                                            "(default: prefix_repetition, 12 prefixes of 512 tokens)")
@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ideal-blocks", type=int, default=640, help="the ideal server's device KV cache, in blocks")
     serve.add_argument("--reserved-cpus", type=int, default=1,
                        help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server alike (vLLM's CPU build)")
+    serve.add_argument("--layout", choices=["multiprocess", "in_process"], default="multiprocess",
+                       help="vLLM's layout for every server: its default (worker in a process of its own) or "
+                            "in_process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one GPU's layout)")
+    serve.add_argument("--explain", action="store_true",
+                       help="add where a kvtier hit's time to first token went, phase by phase (kvtier's counters)")
     serve.add_argument("--port", type=int, default=8321)
     serve.add_argument("--workdir", default="kvtier-out/bench-serve")
     serve.add_argument("--json", action="store_true")

@@ -86,3 +86,9 @@ class JobReport:
     held_slot_ids: list[int] = field(default_factory=list)
     num_bytes: int = 0
     seconds: float = 0.0
+    # Loads: when this rank began the job, when its last tier read was answered and when its last
+    # copy to the device ended (``time.monotonic()``: one clock for every process of the host), for
+    # the scheduler's account of where a hit's time goes (``kvtier.scheduler.hit_times``). 0: unknown.
+    began_at: float = 0.0
+    filled_at: float = 0.0
+    finished_at: float = 0.0

@@ -84,6 +84,15 @@ class HandOffs:
         wait.asked = now
         return True, True
 
+    def check(self, req_id: str, found: int, handed: int, can_arrive) -> tuple[bool, bool]:
+        """A lookup found ``found`` of the ``handed`` tokens a producer said it stores: (wait for the
+        rest, ask the tiers anew). No wait where they cannot come (``can_arrive(req_id)`` false: the
+        storage pool is down, or this request's load from it failed)."""
+        if found >= handed:
+            self.arrived(req_id)
+            return False, False
+        return self.wait(req_id, found) if can_arrive(req_id) else self.cut_short(req_id)
+
     def cut_short(self, req_id: str) -> tuple[bool, bool]:
         """The handed blocks cannot come now (the storage pool is down, or the request's load from it
         failed): the request waits no more."""

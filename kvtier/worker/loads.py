@@ -92,8 +92,10 @@ class LoadPath:
         return self.book.transfers.wait(wanted, timeout)
 
     def _new(self, job: LoadJob, fills: int, transfers: int) -> Load:
-        report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids))
-        load = Load(job, report, time.monotonic() + self.load_timeout_s, fills,
+        now = time.monotonic()
+        report = JobReport(job.job_id, is_load=True, success=True, failed_block_ids=list(job.missing_block_ids),
+                           began_at=now, filled_at=now)  # a load that reads nothing is filled as it begins
+        load = Load(job, report, now + self.load_timeout_s, fills,
                     list(zip(job.ready_block_ids, job.ready_slot_ids, job.ready_keys)), transfers_left=transfers)
         with self.book.lock:
             self.book.loads[job.job_id] = load
@@ -133,6 +135,7 @@ class LoadPath:
             load.fills_left -= 1
             last, abandoned = load.fills_left == 0, load.abandoned
             if last:
+                load.report.filled_at = time.monotonic()
                 load.fills_settled.set()
             if last and abandoned:  # the late reads are over: the held slots may now be reused
                 self.book.release(load.job.fill_slot_ids)
@@ -160,7 +163,7 @@ class LoadPath:
     def copied(self, load: Load, result: TransferResult) -> None:
         """The load's last host -> device copy is over (on whichever thread saw it finish); report."""
         report = load.report
-        report.num_bytes, report.seconds = result.num_bytes, result.seconds
+        report.num_bytes, report.seconds, report.finished_at = result.num_bytes, result.seconds, time.monotonic()
         if not result.success:
             logger.warning("kvtier: load job %d failed (%s); its blocks will be recomputed", load.job.job_id,
                            result.error)

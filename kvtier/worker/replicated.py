@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Sequence
@@ -68,7 +69,7 @@ class ReplicatedLoads:
         self._thread.submit(self._receive, job)
 
     def _receive(self, job: LoadJob) -> None:
-        order = job.ready_block_ids + job.fill_block_ids
+        order, began = job.ready_block_ids + job.fill_block_ids, time.monotonic()
         try:
             result = self.broadcaster.load(order)
             missing, seconds = [block for block, got in zip(order, result.received) if not got], result.seconds
@@ -76,7 +77,8 @@ class ReplicatedLoads:
             logger.error("kvtier: broadcast of load job %d failed: %r", job.job_id, error)
             missing, seconds = list(order), 0.0
         self._received.put(JobReport(job.job_id, is_load=True, success=not missing and not job.missing_block_ids,
-                                     failed_block_ids=missing + list(job.missing_block_ids), seconds=seconds))
+                                     failed_block_ids=missing + list(job.missing_block_ids), seconds=seconds,
+                                     began_at=began, filled_at=began, finished_at=time.monotonic()))
 
     def poll(self) -> list[JobReport]:
         reports = []

@@ -56,14 +56,15 @@ def http_text(url: str, timeout: float = 30) -> str:
 
 
 def kvtier_metrics(server: str) -> dict[str, float]:
-    """kvtier's values on a server's /metrics, summed over labels but ``tier``: per-tier ones are
-    keyed "<name>|<tier>"."""
+    """kvtier's values on a server's /metrics, summed over labels but ``tier`` and ``phase``: per-tier
+    ones are keyed "<name>|<tier>", per-phase ones "<name>|<phase>"."""
     values: dict[str, float] = {}
     for line in http_text(server + "/metrics").splitlines():
         if line.startswith("vllm:kvtier_"):
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            if 'tier="' in line:
-                name += "|" + line.split('tier="')[1].split('"')[0]
+            for label in ("tier", "phase"):
+                if f'{label}="' in line:
+                    name += "|" + line.split(f'{label}="')[1].split('"')[0]
             values[name] = values.get(name, 0) + value
     return values
 

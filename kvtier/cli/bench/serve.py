@@ -11,7 +11,9 @@ Servers, one at a time, each vLLM's OpenAI server on loopback with the same mode
 Each is driven by vLLM's own client (``vllm.benchmarks.serve``: any dataset it has, any
 concurrency), the same requests in the same order. The table sets kvtier against the others
 measured in the same run: TTFT (mean, median, p99), time per output token, requests per
-second, and the prompt tokens kvtier loaded by tier (its ``/metrics``).
+second, and the prompt tokens kvtier loaded by tier (its ``/metrics``). ``--explain`` adds where
+a kvtier hit's time to first token went, phase by phase, from kvtier's own counters
+(``kvtier.scheduler.hit_times``), beside the gap to the ideal cache measured by the client.
 
 A fair comparison gives every server the same CPUs. vLLM's CPU build reserves one more core
 per rank for its other processes whenever any KV connector is configured (in its layout with
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,8 +41,11 @@ from pathlib import Path
 # that return after others pushed them out of a device cache that holds about a third of them.
 DATASET = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
            "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "12",
-           "--prefix-repetition-output-len", "16", "--num-prompts", "48"]
+           "--prefix-repetition-output-len", "16", "--num-prompts", "192"]
 BLOCKS = 96  # 3,072 tokens at block size 32: about 5 of the 12 prefixes
+# kvtier's default here: a host pool of about two of the 12 prefixes (of the default model), so that
+# most hits come from the disk tier behind it, the case where kvtier's own path costs the most.
+HOST_BYTES = "8MiB"
 IDEAL_BLOCKS = 640  # every prefix and every running request's own tokens
 VLLM_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--gpu-memory-utilization", "0.3"]
 CLIENT = ("import argparse, sys\n"
@@ -87,28 +93,56 @@ def fair(threads: dict[str, int | None]) -> bool:
     return len(values) == 1 and None not in values
 
 
-def settled_hits(server: "Server", timeout_s: float = 40.0) -> dict[str, float]:
-    """kvtier's hit tokens by tier once ``/metrics`` has them and two reads a stats interval apart
-    agree: vLLM publishes a connector's counters at its next stats interval, not at once."""
-    deadline, last = time.monotonic() + timeout_s, None
+def settled_metrics(server: "Server", timeout_s: float = 40.0) -> str:
+    """The ``/metrics`` page once it has kvtier's counters and two reads a stats interval apart
+    agree on its hits: vLLM publishes a connector's counters at its next stats interval, not at once."""
+    deadline, last, text = time.monotonic() + timeout_s, None, ""
     while time.monotonic() < deadline:
         text = server.metrics()
-        hits = kvtier_hit_tokens(text)
-        if "vllm:kvtier_" in text and hits == last:
-            return hits
-        last = hits
+        figures = (kvtier_hit_tokens(text), _total(text, "vllm:kvtier_hit_requests_total"))
+        if "vllm:kvtier_" in text and figures == last:
+            return text
+        last = figures
         time.sleep(STATS_INTERVAL_S)
-    return last or {}
+    return text
 
 
 def kvtier_hit_tokens(metrics_text: str) -> dict[str, float]:
     """Prompt tokens kvtier loaded, by tier, from a Prometheus text page."""
-    hits: dict[str, float] = {}
+    return _labelled(metrics_text, "vllm:kvtier_hit_tokens_total", "tier")
+
+
+def _labelled(metrics_text: str, name: str, label: str) -> dict[str, float]:
+    """One counter's values by one label, summed over the others (engines)."""
+    values: dict[str, float] = {}
     for line in metrics_text.splitlines():
-        if line.startswith("vllm:kvtier_hit_tokens_total{") and 'tier="' in line:
-            tier = line.split('tier="', 1)[1].split('"', 1)[0]
-            hits[tier] = hits.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
-    return hits
+        if line.startswith(name + "{") and f'{label}="' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _total(metrics_text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def explain(metrics_text: str) -> dict:
+    """Where kvtier's hits' time to first token went, from its counters on ``/metrics``: the mean
+    of each phase over the hits counted (``kvtier.scheduler.hit_times``), in ms, and the phases an
+    ideal cache would not have had (all but queue and forward)."""
+    from kvtier.scheduler.hit_times import PHASES
+
+    requests = _total(metrics_text, "vllm:kvtier_hit_requests_total")
+    seconds = _labelled(metrics_text, "vllm:kvtier_hit_phase_seconds_total", "phase")
+    if not requests:
+        return {"hit_requests": 0}
+    phases_ms = {phase: 1000 * seconds.get(phase, 0.0) / requests for phase in PHASES}
+    return {"hit_requests": int(requests),
+            "lookup_rounds_per_hit": _total(metrics_text, "vllm:kvtier_hit_lookup_rounds_total") / requests,
+            "load_bytes_per_hit": _total(metrics_text, "vllm:kvtier_load_bytes_total") / requests,
+            "phases_ms": phases_ms,
+            "beyond_ideal_ms": sum(ms for phase, ms in phases_ms.items() if phase not in ("queue", "forward"))}
 
 
 class Server:
@@ -116,6 +150,10 @@ class Server:
 
     def __init__(self, name: str, model: str, args: list[str], env: dict, port: int, log: Path):
         self.name, self.port, self.log = name, port, log
+        # Another process on the port would answer the health check for a server that failed to bind.
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                raise RuntimeError(f"port {port} on 127.0.0.1 is in use: stop what listens there or pass --port")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--host", "127.0.0.1", "--port", str(port), *args]
         self._log = open(log, "w")
@@ -163,11 +201,14 @@ def _tail(path: Path, lines: int = 30) -> str:
 def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: list[str] | None = None,
         concurrency: int = 4, vllm_args: list[str] | None = None, blocks: int | None = BLOCKS,
         ideal: bool = True, ideal_blocks: int = IDEAL_BLOCKS, reserved_cpus: int = 1, port: int = 8321,
-        progress=lambda name: None) -> dict:
-    """Serve the workload with each server in turn; their results, measured in this run."""
+        layout: str = "multiprocess", progress=lambda name: None) -> dict:
+    """Serve the workload with each server in turn; their results, measured in this run.
+    ``layout``: vLLM's, for every server: "multiprocess" (its default: the engine and its worker in
+    processes of their own) or "in_process" (the worker in the engine's process, one GPU's layout)."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    extra = kvtier_config if kvtier_config is not None else {"disk_dir": str(work / "kv-cache")}
+    extra = kvtier_config if kvtier_config is not None else {"disk_dir": str(work / "kv-cache"),
+                                                             "host_bytes": HOST_BYTES}
     kv = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                      "kv_role": "kv_both", "kv_connector_extra_config": extra})
     flags = list(VLLM_ARGS if vllm_args is None else vllm_args)
@@ -176,7 +217,8 @@ def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: li
     if ideal:
         servers["ideal"] = flags + ["--num-gpu-blocks-override", str(ideal_blocks)]
     # The same reservation for every server (see the module's notes); the rest of the environment as given.
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if layout == "in_process" else "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     results: dict[str, dict] = {}
     for name, args in servers.items():
@@ -196,16 +238,19 @@ def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: li
                 raise RuntimeError(f"vLLM's client failed against the {name} server; its log: "
                                    f"{work / f'{name}-client.log'}\n" + _tail(work / f"{name}-client.log"))
             measured = json.loads((work / f"{name}.json").read_text())
-            hits = settled_hits(server) if name == "kvtier" else {}
+            metrics = settled_metrics(server) if name == "kvtier" else ""
         finally:
             server.stop()
         results[name] = {key: measured.get(key) for key in (
             "completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
             "request_throughput", "output_throughput", "total_input_tokens", "duration")}
-        results[name].update(worker_threads=threads, hit_tokens_by_tier=hits)
+        results[name].update(worker_threads=threads, hit_tokens_by_tier=kvtier_hit_tokens(metrics))
+        if name == "kvtier":
+            results[name]["explain"] = explain(metrics)
     threads = {name: r["worker_threads"] for name, r in results.items()}
     report = {"model": model, "concurrency": concurrency, "dataset": DATASET if dataset is None else dataset,
-              "vllm_args": flags, "device_blocks": blocks, "reserved_cpus": reserved_cpus,
+              "vllm_args": flags, "device_blocks": blocks, "reserved_cpus": reserved_cpus, "layout": layout,
+              "kvtier_config": extra,
               "servers": results, "fair": fair(threads)}
     for peer in ("none", "ideal"):
         if peer in results:
@@ -246,11 +291,30 @@ def plot(report: dict, path: Path) -> Path | None:
     return path
 
 
+def explain_rows(report: dict) -> list[tuple[str, str]]:
+    """``--explain``: a kvtier hit's mean time by phase, beside the TTFT gap to the ideal cache."""
+    figures = report["servers"]["kvtier"].get("explain") or {}
+    if not figures.get("hit_requests"):
+        return [("where a hit's time goes", "no request loaded from kvtier")]
+    rows = [(f"hit: {phase} (mean of {figures['hit_requests']} hits)", f"{ms:.1f} ms")
+            for phase, ms in figures["phases_ms"].items()]
+    rows.append(("hit: phases an ideal cache has not", f"{figures['beyond_ideal_ms']:.1f} ms "
+                                                      f"({figures['lookup_rounds_per_hit']:.1f} lookup rounds, "
+                                                      f"{figures['load_bytes_per_hit'] / 2**20:.2f} MiB loaded)"))
+    if "ideal" in report["servers"]:
+        gap = report["servers"]["kvtier"]["mean_ttft_ms"] - report["servers"]["ideal"]["mean_ttft_ms"]
+        rows.append(("mean TTFT, kvtier - ideal (every request)", f"{gap:.1f} ms"))
+    return rows
+
+
 def main(args) -> dict:
     from rich.progress import Progress
 
     from kvtier.cli.bench.report import print_table
 
+    # A SIGTERM (a CI job's timeout, kill) unwinds like Ctrl-C, so the server under way is stopped
+    # with its children: it runs in a session of its own and would outlive this process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     model = args.model
     if model is None:
         from kvtier.cli.demo.model import make_model
@@ -262,7 +326,7 @@ def main(args) -> dict:
                      args.client_args.split() if args.client_args else None, args.concurrency,
                      args.vllm_args.split() if args.vllm_args is not None else None,
                      None if args.blocks == 0 else args.blocks, args.ideal, args.ideal_blocks, args.reserved_cpus,
-                     args.port, lambda name: progress.update(task, description=f"bench serve: {name}"))
+                     args.port, args.layout, lambda name: progress.update(task, description=f"bench serve: {name}"))
     report["plot"] = str(plot(report, Path(args.workdir) / "ttft.png"))
     (Path(args.workdir) / "result.json").write_text(json.dumps(report, indent=2))
     if not args.json:
@@ -280,6 +344,8 @@ def main(args) -> dict:
                              f"{ratios['mean_ttft_ms']:.2f}x, {ratios['request_throughput']:.2f}x"))
         rows.append(("same CPUs for every server", f"{report['fair']} (VLLM_CPU_NUM_OF_RESERVED_CPU="
                                                    f"{report['reserved_cpus']})"))
+        if args.explain:
+            rows += explain_rows(report)
         print_table(f"kvtier bench serve ({report['servers']['none']['completed']} requests, concurrency "
                     f"{report['concurrency']})", rows)
     if not report["fair"]:

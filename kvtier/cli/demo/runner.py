@@ -108,9 +108,12 @@ def kvtier_state(llm) -> dict:
         "tier_checks": sum(getattr(t, "num_checks", 0) for t in manager.tiers),  # existence asked of shared tiers
         "lookup_waits": sum(getattr(t, "num_waits", 0) for t in manager.tiers),  # idle steps that waited for those
         "pending_jobs": manager.num_pending,
-        "pending_waves": scheduler.num_pending_waves,  # loads larger than the host pool, under way
+        "pending_waves": manager.waves.num_under_way,  # loads larger than the host pool, under way
         "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store
-        "tracked_requests": scheduler.num_tracked_requests,
+        "tracked_requests": len(scheduler.requests),
+        "timed_requests": scheduler.times.num_followed,  # hits whose time to first token is being followed
+        "hit_requests": scheduler.times.num_requests,
+        "hit_phase_seconds": dict(scheduler.times.seconds),
         "preemptions": scheduler.requests.num_preempted,  # vLLM freed a running request's blocks
         "handoff_waiting": scheduler.handoffs.num_waiting,  # requests waiting for a producer's blocks
         "handoff_timeouts": scheduler.handoffs.num_timeouts,

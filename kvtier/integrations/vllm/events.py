@@ -81,6 +81,10 @@ class KVEvents:
                             token_ids=list(meta.token_ids), block_size=block_size, lora_id=meta.lora_id,
                             medium=place.medium, lora_name=meta.lora_name, extra_keys=meta.extra_keys, **where)
 
+    def take(self, ledger, block_size: int) -> list:
+        """A step's events: what the disk held at start (a batch a step), then what changed."""
+        return self.announce_journal(block_size) + self.events(ledger.take_holdings(), block_size)
+
     def close(self) -> None:
         self.held.close()
 

@@ -33,6 +33,8 @@ COUNTERS = {
                       "arrived for handoff_stall_s (it died or is stuck), then computed the rest",
     "handoff_cut_short": "Requests handed over by a prefill instance that did not wait for its blocks: the "
                          "storage pool was down, or their load from it failed",
+    "hit_requests": "Requests whose first token followed a load from kvtier (counted in hit_phase_seconds)",
+    "hit_lookup_rounds": "Times those requests' lookups answered 'ask again' (a tier or a block on its way)",
 }
 TIER_COUNTERS = {
     "hit_tokens": "Prompt tokens loaded, by the tier they came from",
@@ -49,6 +51,11 @@ TIER_COUNTERS = {
 # "<name>|<reason>" in ``KVTierStats.data``.
 REASON_COUNTERS = {
     "miss_tokens_by_reason": "Prompt tokens that no tier held, by why the first of them was not found",
+}
+# Seconds of those requests' time to first token, by phase (``kvtier.scheduler.hit_times``: queue,
+# lookup, plan, to_worker, read, copy, report, resume, forward). Keyed "<name>|<phase>".
+PHASE_COUNTERS = {
+    "hit_phase_seconds": "Seconds of kvtier hits' time to first token, by phase",
 }
 GAUGES = {
     "host_used_slots": "Host pool slots in use",
@@ -73,7 +80,7 @@ class KVTierStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)
         for name, value in other.data.items():
-            counter = _base(name) in COUNTERS or _base(name) in TIER_COUNTERS or _base(name) in REASON_COUNTERS
+            counter = any(_base(name) in kind for kind in (COUNTERS, TIER_COUNTERS, REASON_COUNTERS, PHASE_COUNTERS))
             merged[name] = merged.get(name, 0) + value if counter else value
         return KVTierStats(data=merged)
 
@@ -96,7 +103,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._labelvalues = per_engine_labelvalues
         self._metrics = {}
         for docs, cls, label in ((COUNTERS, self._counter_cls, None), (TIER_COUNTERS, self._counter_cls, "tier"),
-                                 (REASON_COUNTERS, self._counter_cls, "reason"), (GAUGES, self._gauge_cls, None),
+                                 (REASON_COUNTERS, self._counter_cls, "reason"),
+                                 (PHASE_COUNTERS, self._counter_cls, "phase"), (GAUGES, self._gauge_cls, None),
                                  (TIER_GAUGES, self._gauge_cls, "tier")):
             for name, doc in docs.items():
                 extra = {} if cls is self._counter_cls else {"multiprocess_mode": "mostrecent"}
@@ -124,7 +132,7 @@ class StatsTracker:
         self._last: dict[str, float] = {}
         self._last_gauges: dict[str, float] = {}
 
-    def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int, handoffs) -> KVTierStats | None:
+    def collect(self, manager, hit_tokens: dict[str, int], miss_tokens: int, handoffs, times) -> KVTierStats | None:
         stats = manager.stats
         tier_stats = {tier.name: tier.stats() for tier in manager.tiers}
         totals = {
@@ -144,6 +152,8 @@ class StatsTracker:
                if "evictions" in figures},
             **{f"down|{name}": figures["down"] for name, figures in tier_stats.items() if "down" in figures},
             **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.ledger.misses.items()},
+            "hit_requests": times.num_requests, "hit_lookup_rounds": times.num_rounds,
+            **{f"hit_phase_seconds|{phase}": seconds for phase, seconds in times.seconds.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         gauges = {"host_used_slots": manager.host.num_used, "host_pinned_slots": manager.host.num_pinned,

@@ -20,6 +20,7 @@ from kvtier.integrations.vllm.namespace import EngineGeometry
 from kvtier.integrations.vllm.requests import extra_keys, follow_blocks, loads_nothing, unsupported
 from kvtier.scheduler.handoffs import IDLE_WAIT_S as HANDOFF_IDLE_WAIT_S
 from kvtier.scheduler.handoffs import PARAM, HandOffs, handed_tokens
+from kvtier.scheduler.hit_times import HitTimes
 from kvtier.scheduler.hits import LoadHits
 from kvtier.scheduler.manager import TierManager
 from kvtier.scheduler.requests import Requests
@@ -58,6 +59,7 @@ class SchedulerSide:
         self._reports_taken: dict[int, int] = {}  # rank -> its last report's number taken (``RankReport``)
         self.stores: StorePlans | None = None  # which blocks are stored when; built with the manager
         self.hits = LoadHits()  # prompt tokens loaded, by tier: counted as loads complete
+        self.times = HitTimes()  # where each hit's time to first token goes
         self.miss_tokens = 0
         self._stats = StatsTracker()
         self.kv_events = kv_events  # vLLM publishes KV events: kvtier's tiers are announced too
@@ -95,6 +97,7 @@ class SchedulerSide:
             self._lookups[request.request_id] = num_computed_tokens  # its misses are counted at allocation
             return 0, False
         state = self.requests.state(request)
+        self.times.asked(request.request_id, request.arrival_time)
         num_tokens = request.num_tokens
         keys = self.requests.full_keys(state, num_tokens)
         partial = self.requests.partial_key(state, num_tokens) if self.partial_blocks else None
@@ -108,25 +111,21 @@ class SchedulerSide:
         hit_blocks = start + min(hits, len(keys) - start)
         hit_tokens = num_tokens if partial is not None and hits == len(wanted) else hit_blocks * self.block_size
         # A producer is still storing this prompt: wait, bounded.
-        if hit_tokens < handed_tokens(request, self.handed_block_size):
-            # No wait where its blocks cannot come: the storage pool is down, or this request's load failed from it.
-            if self.manager.can_arrive(request.request_id):
-                wait, ask_again = self.handoffs.wait(request.request_id, hit_tokens)
-            else:
-                wait, ask_again = self.handoffs.cut_short(request.request_id)
-            if wait:
-                if ask_again:
-                    self.manager.ask_again(request.request_id)
-                return None, False
-        else:
-            self.handoffs.arrived(request.request_id)
+        wait, ask_again = self.handoffs.check(request.request_id, hit_tokens,
+                                              handed_tokens(request, self.handed_block_size), self.manager.can_arrive)
+        if wait:
+            if ask_again:
+                self.manager.ask_again(request.request_id)
+            return None, False
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
         self._layerwise_loads.discard(request.request_id)
         # vLLM recomputes a whole-prompt hit's last token: a hit of that token alone would add none,
         # and of a one-token prompt vLLM would look the request up again after each load, for ever.
         if num_external <= 0 or (hit_tokens == num_tokens and num_external == 1):
+            self.times.answered(request.request_id, loads=False)
             return 0, False
+        self.times.answered(request.request_id, loads=True)
         # A synchronous load leaves vLLM at least one token to compute; a hit of the whole prompt goes
         # the asynchronous way, where vLLM recomputes the last token itself.
         if self.config.layerwise and not self.config.save_only_first_rank and hit_tokens % self.block_size == 0 and \
@@ -146,6 +145,7 @@ class SchedulerSide:
         self.miss_tokens += count_misses(self.manager, self.requests, self.geometry, request, state, hit_tokens,
                                          handed_tokens(request, self.handed_block_size))
         if num_external_tokens == 0:
+            self.times.forget(request.request_id)
             self.manager.drop_lookup(request.request_id)  # it loads nothing: the host slots it counted on are free
             return
         first_block = first_token // self.block_size
@@ -172,8 +172,11 @@ class SchedulerSide:
         for job in self.manager.waves.due_jobs() if self.manager is not None else ():
             self._new_loads.append(job)
             self.hits.planned(job)
+        for job in self._new_loads:
+            self.times.sent(job.req_id, job.job_id)
         scheduled = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            self.times.scheduled(req_id)
             state = self.requests.get(req_id)
             if state is None or self.manager is None or not self.stores_enabled or unsupported(state.request):
                 continue
@@ -211,9 +214,14 @@ class SchedulerSide:
             released += part.released_slot_ids
         self.manager.on_released(released)
         self.hits.reported(reports)  # before the manager takes them: which blocks failed
+        self.times.reported(reports)
         completed = self.manager.on_reports(reports)
         self.hits.completed(completed)
+        self.times.completed(completed)
         self.stores.on_completed(completed)
+        # vLLM tells a step's output after it appended the step's tokens: one with a token has its first.
+        self.times.first_tokens(lambda req_id: (state := self.requests.get(req_id)) is not None
+                                and state.request.num_output_tokens > 0)
 
     def shutdown(self) -> None:
         # vLLM shuts its workers down first, and each ran the last stores at its shutdown (``shutdown_drain``):
@@ -236,26 +244,18 @@ class SchedulerSide:
     def num_finishing(self) -> int:
         return self.stores.num_finishing if self.stores is not None else 0
 
-    @property
-    def num_pending_waves(self) -> int:
-        return self.manager.waves.num_under_way if self.manager is not None else 0
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self.requests)
-
     def collect_stats(self):
         if self.manager is None:
             return None
-        return self._stats.collect(self.manager, self.hits.tokens, self.miss_tokens, self.handoffs)
+        return self._stats.collect(self.manager, self.hits.tokens, self.miss_tokens, self.handoffs, self.times)
 
     def take_events(self) -> list:
-        if self._events is None or self.manager is None:
-            return []
-        return (self._events.announce_journal(self.block_size)  # what the disk held at start, a batch a step
-                + self._events.events(self.manager.ledger.take_holdings(), self.block_size))
+        ready = self._events is not None and self.manager is not None
+        return self._events.take(self.manager.ledger, self.block_size) if ready else []
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        # It may end in the step of its first token, before that step's output is told.
+        self.times.finished(request.request_id, has_token=request.num_output_tokens > 0)
         state = self.requests.pop(request.request_id)
         self._lookups.pop(request.request_id, None)
         self.handoffs.forget(request.request_id)

@@ -11,6 +11,7 @@ bounded wait for a job to finish rather than a busy loop), and ``shutdown``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -77,6 +78,9 @@ class WorkerSide:
                              f"{self.geometry.slot_bytes}")
         logger.info("kvtier: %s layout, %d layers, %d host slots of %d bytes", self.tier_worker.layout.kind,
                     len(tensors), self.tier_worker.num_slots, self.tier_worker.layout.slot_bytes)
+        if self.rank == 0 and tensors[0].device.type == "cpu":  # vLLM's CPU build: the cores it left the model
+            from kvtier.integrations.vllm.cpu_reservation import advice
+            logger.info("kvtier: %s", advice(self.geometry.tp_rank_count, len(os.sched_getaffinity(0))))
         # An offline job's engine may never be shut down: its last stores run at exit all the same
         # (registered after the tier worker's own flush at exit, so run before it).
         at_exit(self, "shutdown")
