@@ -93,3 +93,21 @@ def test_bench_serve_runs_three_servers_with_the_same_cpus_and_kvtier_serves_hit
     assert all(r["completed"] == 12 for r in report["servers"].values())
     assert sum(report["servers"]["kvtier"]["hit_tokens_by_tier"].values()) > 0, report["servers"]["kvtier"]
     assert report["kvtier_vs_none"]["mean_ttft_ms"] > 0 and (tmp_path / "result.json").exists()
+
+
+def test_rounds_give_each_figure_its_median_and_each_server_its_own_spread():
+    def round_(ttft, tpot, rps, threads=1, host=100.0):
+        figures = {key: 1.0 for key in serve.FIGURES}
+        figures.update(mean_ttft_ms=ttft, mean_tpot_ms=tpot, request_throughput=rps, completed=12,
+                       worker_threads=threads, hit_tokens_by_tier={"host": host})
+        return figures
+
+    merged = serve._median([round_(30.0, 4.0, 10.0), round_(36.0, 4.4, 9.0, host=300.0), round_(33.0, 4.2, 12.0)])
+    assert merged["mean_ttft_ms"] == 33.0 and merged["mean_tpot_ms"] == 4.2 and merged["request_throughput"] == 10.0
+    assert merged["completed"] == 12 and merged["worker_threads"] == 1
+    assert merged["hit_tokens_by_tier"] == {"host": pytest.approx(500 / 3)}  # per round
+    assert merged["spread"] == pytest.approx({"mean_ttft_ms": 0.2, "mean_tpot_ms": 0.1, "request_throughput": 1 / 3})
+    # A server whose rounds computed on different numbers of threads makes the comparison unfair.
+    assert serve._median([round_(1, 1, 1, threads=1), round_(1, 1, 1, threads=2)])["worker_threads"] is None
+    assert not serve.fair({"none 0": 1, "kvtier 0": 1, "none 1": 2})
+    assert "spread" not in serve._median([round_(30.0, 4.0, 10.0)])  # one round: no spread to tell

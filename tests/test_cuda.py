@@ -367,7 +367,7 @@ def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir, la
     targets = list(range(26, 42))
     load = engine.manager.plan_load("r", keys_of(range(16)), targets)
     assert not load.fill_keys  # every block is in host slots: a layer-wise load
-    worker.submit_load_layers(load)
+    worker.submit_load_in_step(load, per_layer=True)
     seen = []
     for layer in range(len(tensors)):
         assert worker.wait_for_layer([load.job_id], layer)

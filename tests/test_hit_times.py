@@ -120,3 +120,24 @@ def test_a_marks_out_of_order_never_give_a_phase_negative_time(times, clock):
     times.completed([1])
     times.first_token("r")
     assert times.num_requests == 1 and all(v >= 0 for v in times.seconds.values())
+
+
+def test_a_hit_copied_within_its_step_waits_for_no_report_and_no_resumption(times, clock):
+    times.asked("r", arrival_wall=1000.0)
+    clock.now += 0.001
+    times.answered("r", loads=True)
+    clock.now += 0.002
+    times.sent("r", 1, in_step=True)
+    times.scheduled("r")  # the same step schedules the rest of its prompt
+    sent = clock.now
+    times.reported([JobReport(1, True, True, began_at=sent + 0.003, filled_at=sent + 0.003,
+                              finished_at=sent + 0.004)])
+    clock.now = sent + 0.020  # the step's forward ends, and its output carries the report and the token
+    times.completed([1])
+    times.first_tokens(lambda req_id: True)
+    got = times.seconds
+    assert times.num_requests == 1
+    assert got["to_worker"] == pytest.approx(0.003) and got["copy"] == pytest.approx(0.001)
+    assert got["read"] == 0 and got["report"] == 0 and got["resume"] == 0
+    assert got["forward"] == pytest.approx(0.016)  # from the copy's end: the forward ran right after it
+    assert times.num_followed == 0

@@ -1,5 +1,6 @@
 """The scheduler-side manager and the worker together, as an engine drives them."""
 
+import dataclasses
 import os
 import random
 import resource
@@ -332,8 +333,8 @@ def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir, planned_f
     assert reports[0].success and engine.manager.host.lookup(keys_of(range(4))) == 4
     for t in tensors:
         t.zero_()
-    load = engine.manager.plan_load("r", keys_of(range(4)), [10, 11, 12, 13], layerwise=True)
-    engine.worker.submit_load_layers(load)
+    load = engine.manager.plan_load("r", keys_of(range(4)), [10, 11, 12, 13], in_step=True)
+    engine.worker.submit_load_in_step(load, per_layer=True)
     for layer, tensor in enumerate(tensors):
         assert engine.worker.wait_for_layer([load.job_id], layer, timeout=10)
         # This layer is in place now, whatever the others are doing.
@@ -343,6 +344,46 @@ def test_layerwise_loads_and_stores_are_exact_layer_by_layer(disk_dir, planned_f
         reports = engine.worker.poll()
     engine.manager.on_reports(reports)
     assert reports[0].success and engine.manager.host.num_pins == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("name, tensors", layouts())
+def test_a_host_hit_copied_within_the_step_in_one_copy_is_exact_in_every_layout(disk_dir, name, tensors):
+    """Without layer hooks, a load within the step copies every layer at once, on the engine's thread
+    where the device allows: waiting for any layer waits for it."""
+    randomize(tensors)
+    engine = Engine(tensors, disk_dir, host_blocks=8, kind="cross_layer" if name == "cross_layer" else None)
+    original = [t.clone() for t in tensors]
+    engine.run([engine.manager.plan_store("r", keys_of(range(3)), [1, 2, 3])], engine.worker.submit_store)
+    for t in tensors:
+        t.zero_()
+    load = engine.manager.plan_load("r", keys_of(range(3)), [10, 11, 12], in_step=True)
+    engine.worker.submit_load_in_step(load, per_layer=False)
+    assert engine.worker.wait_for_layer([load.job_id], 0, timeout=10)
+    for tensor, before in zip(tensors, original):
+        for source, target in zip([1, 2, 3], [10, 11, 12]):
+            assert torch.equal(_block(tensor, target, name).view(torch.uint8), _block(before, source, name).view(torch.uint8))
+    reports = engine.run([], None, expect=1)
+    assert reports[0].success and engine.manager.host.num_pins == 0
+    engine.close()
+
+
+def test_only_a_small_hit_held_whole_in_the_host_pool_loads_within_the_step(disk_dir):
+    tensors = layouts()[0][1]
+    probe = Engine(tensors, disk_dir, host_blocks=2)
+    slot_bytes = probe.manager.slot_bytes
+    probe.close()
+    engine = Engine(tensors, disk_dir, host_blocks=2, in_step_load_bytes=2 * slot_bytes)
+    engine.run([engine.manager.plan_store("r", keys_of([1, 2]), [1, 2])], engine.worker.submit_store)
+    assert engine.manager.can_load_in_step(keys_of([1, 2]))
+    engine.run([engine.manager.plan_store("r", keys_of([3]), [3])], engine.worker.submit_store)  # evicts key 1 to disk
+    assert engine.manager.host.lookup(keys_of([1])) == 0 and engine.manager.lookup(keys_of([1])) == 1
+    assert not engine.manager.can_load_in_step(keys_of([1]))  # a disk hit: the step would wait for its read
+    assert engine.manager.can_load_in_step(keys_of([2, 3]))
+    engine.config = dataclasses.replace(engine.config, in_step_load_bytes=slot_bytes)
+    engine.manager.config = engine.config
+    assert not engine.manager.can_load_in_step(keys_of([2, 3]))  # larger than in_step_load_bytes
+    assert engine.manager.can_load_in_step(keys_of([2]))
     engine.close()
 
 
@@ -380,9 +421,9 @@ def test_a_layerwise_load_never_reads_disk(disk_dir):
     engine = Engine(tensors, disk_dir, host_blocks=1)
     engine.store(keys_of([1]), [1])
     engine.store(keys_of([2]), [2])  # key 1 now only on disk
-    job = engine.manager.plan_load("r", keys_of([1]), [5], layerwise=True)
+    job = engine.manager.plan_load("r", keys_of([1]), [5], in_step=True)
     assert job.missing_block_ids == [5] and not job.fill_keys
-    engine.run([job], engine.worker.submit_load_layers)
+    engine.run([job], lambda job: engine.worker.submit_load_in_step(job, per_layer=True))
     engine.close()
 
 

@@ -241,11 +241,34 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     assert set(phases) == {"queue", "lookup", "plan", "to_worker", "read", "copy", "report", "resume", "forward"}
     assert phases["forward"] > 0 and phases["copy"] > 0 and all(v >= 0 for v in phases.values())
     assert phases["read"] == 0  # a host hit reads nothing from a tier
+    assert phases["report"] == 0 and phases["resume"] == 0  # copied within its step, in this layout too
     # Every metric the Grafana dashboard in docs/ charts is one this server exports.
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvtier.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"vllm:kvtier_\w+", target["expr"])}
     assert len(queried) >= 10 and not queried - exported, f"not exported: {sorted(queried - exported)}"
+
+
+@pytest.mark.parametrize("in_step", [True, False])
+def test_a_host_hit_is_copied_within_the_step_that_computes_the_rest_of_its_prompt(workdir, model, reference,
+                                                                                   in_step):
+    """vLLM's synchronous load: the request is scheduled in the step of its lookup and its blocks are
+    copied before that step's forward, so its time to first token has no report or resume phase (a
+    load beside the steps, ``in_step_load_bytes`` 0, has both). Outputs equal a run without kvtier."""
+    extra = {"host_bytes": "64MiB", "disk_dir": None, "verify_loads": True,
+             **({} if in_step else {"in_step_load_bytes": 0})}
+    result = run_app(workdir, f"in-step-{in_step}", {"model": model, "connector": "kvtier", "extra": extra,
+                                                     "warmup": False,  # its hit is of a whole prompt
+                                                     "phases": [{"prompts": [long_prompt()]},
+                                                                {"prompts": [long_prompt()]}]})
+    cold, warm = result["phases"][0]["outputs"]["0"], result["phases"][1]["outputs"]["0"]
+    assert warm["cached"] == (1000 // BLOCK) * BLOCK
+    assert warm["tokens"] == cold["tokens"] == reference["phases"][0]["outputs"]["0"]["tokens"]
+    state = result["kvtier"]
+    phases = state["hit_phase_seconds"]
+    assert state["hit_requests"] == 1 and phases["copy"] > 0 and phases["read"] == 0
+    assert (phases["report"] == 0 and phases["resume"] == 0) == in_step
+    assert state["verify_failures"] == 0 and state["host_pins"] == 0 and state["pending_jobs"] == 0
 
 
 def test_layerwise_mode_gives_the_same_outputs(workdir, model, reference):

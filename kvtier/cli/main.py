@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                             "in_process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one GPU's layout)")
     serve.add_argument("--explain", action="store_true",
                        help="add where a kvtier hit's time to first token went, phase by phase (kvtier's counters)")
+    serve.add_argument("--rounds", type=int, default=1,
+                       help="serve the workload this many times over, the servers alternating; each figure is "
+                            "the median of a server's rounds, with their spread")
     serve.add_argument("--port", type=int, default=8321)
     serve.add_argument("--workdir", default="kvtier-out/bench-serve")
     serve.add_argument("--json", action="store_true")

@@ -303,8 +303,16 @@ KEYS: dict[str, _Key] = {
         "Test mode: the worker checks every loaded block's bytes against the checksum taken when it was stored."),
     "layerwise": _Key(
         False, _parse_bool, lambda v: True, "true or false",
-        "Move KV layer by layer, overlapped with the model's compute: host hits load during the "
-        "forward (each layer waited for alone), stores start as each layer's KV is written."),
+        "Move KV layer by layer, overlapped with the model's compute: hits loaded within the step "
+        "(in_step_load_bytes) load during the forward, each layer waited for alone; stores start as each "
+        "layer's KV is written."),
+    "in_step_load_bytes": _Key(
+        "64MiB", parse_bytes, lambda v: v >= 0, "a byte count >= 0, as an integer or a string such as '64MiB'",
+        "A hit held whole in the host pool, of up to this many bytes per worker, is copied into the device "
+        "cache within the engine's step that computes the rest of its prompt (vLLM's synchronous load), "
+        "as vLLM's own prefix cache would serve it; a larger one, and any hit read from a tier below, loads "
+        "beside the steps and is scheduled once loaded (a step later at least). 0: every hit loads beside "
+        "the steps."),
     "save_only_first_rank": _Key(
         False, _parse_bool, lambda v: True, "true or false",
         "Tensor parallelism with KV that every rank holds alike (MLA; one replicated KV head): only rank 0 "
@@ -353,6 +361,7 @@ class KVTierConfig:
     load_failure_policy: str
     verify_loads: bool
     layerwise: bool
+    in_step_load_bytes: int
     save_only_first_rank: bool
     broadcast_shard_blocks: int
     entry_key_file: str | None

@@ -27,7 +27,9 @@ class LoadJob:
     fill_keys: list[bytes]
     fill_from: list[str] = field(default_factory=list)
     missing_block_ids: list[int] = field(default_factory=list)
-    layerwise: bool = False  # host slots only, each layer copied and awaited on its own
+    # Host slots only, copied within the engine's step before attention reads them (vLLM's synchronous
+    # load): no step goes by between the hit and its forward. Layer by layer where ``layerwise`` is set.
+    in_step: bool = False
     fill_locations: list[int] = field(default_factory=list)  # where the tier keeps each fill (-1: its store finds it)
     # False: a wave of a load larger than the host pool's free slots; the request's load ends with a later job
     final: bool = True

@@ -16,9 +16,10 @@ first token is seen the time between marks is added to a counter per phase:
 An ideal cache, one that held the prefix in the device, pays ``queue`` and ``forward``: the
 other phases are what a hit from kvtier adds. Worker marks are ``time.monotonic()`` (one clock
 for every process of a host); ``queue`` is measured on the wall clock that stamps a request's
-arrival. A mark a path does not set (a load that reads nothing, one loaded during its forward)
-is the previous one: its phase is 0. Requests whose first token never comes (aborted,
-preempted before it) count nothing, and every timeline ends with its request.
+arrival. A mark a path does not set (a load that reads nothing) is the previous one: its phase
+is 0. A hit copied within the step of its forward (``LoadJob.in_step``) waits for no report and
+no resumption: both are 0. Requests whose first token never comes (aborted, preempted before
+it) count nothing, and every timeline ends with its request.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Timeline:
     began: float = float("inf")  # the first any worker began one of its jobs
     filled: float = 0.0  # the last any worker's reads were answered
     copied: float = 0.0  # the last any worker's copies ended
+    in_step: bool = False  # loaded within the step of its forward: no report or resume waited for
 
 
 class HitTimes:
@@ -69,12 +71,14 @@ class HitTimes:
         else:
             timeline.marks["lookup"] = self._clock()
 
-    def sent(self, req_id: str, job_id: int) -> None:
-        """One of its load jobs goes to the workers (the first marks the plan's end)."""
+    def sent(self, req_id: str, job_id: int, in_step: bool = False) -> None:
+        """One of its load jobs goes to the workers (the first marks the plan's end); ``in_step``: it is
+        copied within the step that computes the rest of the prompt."""
         timeline = self._timelines.get(req_id)
         if timeline is None or "lookup" not in timeline.marks:
             return
         timeline.marks.setdefault("plan", self._clock())
+        timeline.in_step = in_step
         timeline.jobs.add(job_id)
         self._job_owner[job_id] = req_id
 
@@ -101,7 +105,11 @@ class HitTimes:
                 marks = timeline.marks
                 if timeline.began != float("inf"):
                     marks["to_worker"] = timeline.began
-                marks["read"], marks["copy"], marks["report"] = timeline.filled, timeline.copied, self._clock()
+                marks["read"], marks["copy"] = timeline.filled, timeline.copied
+                # Loaded within its step, its forward ran right after the copy: nothing waited for the report.
+                marks["report"] = timeline.copied if timeline.in_step else self._clock()
+                if timeline.in_step:
+                    marks["resume"] = timeline.copied
 
     def scheduled(self, req_id: str) -> None:
         """The engine schedules the request's tokens this step."""

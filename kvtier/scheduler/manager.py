@@ -68,9 +68,14 @@ class TierManager:
     def free_slots(self) -> int:
         return self.lookups.free_slots()
 
-    def host_hits(self, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` ready in the host pool (loadable layer by layer)."""
-        return self.host.lookup(keys)
+    def can_load_in_step(self, keys: Sequence[bytes]) -> bool:
+        """Whether a hit of ``keys`` can be copied within the engine's step that computes the rest of its
+        prompt, as the engine's own prefix cache serves a hit: held whole in the host pool (a copy, no
+        read that the step would wait for) and no larger than ``in_step_load_bytes``. A hit read from a
+        tier, a larger one, or one whose other ranks receive it by broadcast (``save_only_first_rank``)
+        loads beside the steps instead."""
+        return not self.config.save_only_first_rank and len(keys) * self.slot_bytes <= \
+            self.config.in_step_load_bytes and self.host.lookup(keys) == len(keys)
 
     def may_hold(self, key: bytes) -> bool:
         """A guess that costs a few dict lookups: the host pool or a tier that answers from its own
@@ -105,14 +110,14 @@ class TierManager:
 
     # --- loads --------------------------------------------------------------
     def plan_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
-                  layerwise: bool = False, found: list[dict[bytes, bool]] | None = None) -> LoadJob:
+                  in_step: bool = False, found: list[dict[bytes, bool]] | None = None) -> LoadJob:
         """Plan loading ``keys[i]`` into device block ``block_ids[i]``.
 
         Each block is resolved again here (it may have been evicted since the
         lookup): host hits are pinned; tier hits get a reserved host slot (and the
         tier a pin); from the first block found nowhere on, blocks are reported
-        missing, since the engine recomputes from the first failed block. A
-        ``layerwise`` load reads host slots only: anything else is missing.
+        missing, since the engine recomputes from the first failed block. An
+        ``in_step`` load (copied within the engine's step) reads host slots only: anything else is missing.
         Where the host pool has no slot left to stage through, the job is a wave
         (``final`` False) of its first blocks, and ``waves`` (``kvtier.scheduler.load_waves``)
         plans the rest once this wave has freed its slots.
@@ -122,7 +127,7 @@ class TierManager:
         found = self.lookups.found_for_plan(req_id, keys, found)  # its lookup's promised slots are taken now
         # This wave: as many blocks as the free slots allow (a pin takes one, a stage one), less the slots
         # other lookups were promised (their requests plan after this one, in the same step).
-        sources, end, _ = self.lookups.walk(keys, found, host_only=layerwise)
+        sources, end, _ = self.lookups.walk(keys, found, host_only=in_step)
         # Host hits are pinned before anything is staged: staging evicts, and must not evict them.
         host_at = [i for i in range(end) if sources[i] == HOST]
         slot_at = dict(zip(host_at, self.host.prepare_load([keys[i] for i in host_at])))
@@ -142,11 +147,11 @@ class TierManager:
         # A wave stops for room, or at a block another request is writing to the host pool (its
         # next wave reads it once written); at a block found nowhere, the rest is missing.
         writing = len(sources) < len(keys) and self.host.is_being_written(keys[len(sources)])
-        wave = 0 < end and (end < len(sources) or writing) and not layerwise
+        wave = 0 < end and (end < len(sources) or writing) and not in_step
         job = LoadJob(next(self._job_ids), req_id,
                       [block_ids[i] for i in ready], [slot_at[i] for i in ready], [keys[i] for i in ready],
                       [block_ids[i] for i in fills], [slot_at[i] for i in fills], [keys[i] for i in fills],
-                      [sources[i] for i in fills], [] if wave else list(block_ids[end:]), layerwise,
+                      [sources[i] for i in fills], [] if wave else list(block_ids[end:]), in_step,
                       [location_at[i] for i in fills], final=not wave)
         self.stats.planned_blocks.update(sources[:end])
         self.completions.expect(job)

@@ -69,21 +69,27 @@ class LoadPath:
                 self.io.submit(tier, False, keys, slots, locations, load.deadline, filled,
                                check_in_copy=self.check_in_copy)
 
-    def submit_layers(self, job: LoadJob) -> None:
-        """Layer-wise load of host-resident blocks: every layer's copy is submitted now,
-        in layer order, so that layer i can be waited for alone (``wait_for_layer``)."""
+    def submit_in_step(self, job: LoadJob, per_layer: bool) -> None:
+        """A load of host-resident blocks within the engine's step, before their attention reads them:
+        ``per_layer``, one copy per layer, each submitted now in layer order so that layer i is waited
+        for alone (``wait_for_layer``); else one copy of every layer, on this thread where the device
+        allows (CPU: the step waits for it anyway, and a handoff to another thread costs a GIL switch)."""
         if job.fill_keys:
-            raise ValueError(f"load job {job.job_id}: a layer-wise load reads only host slots")
-        load = self._new(job, fills=0, transfers=self.num_layers)
+            raise ValueError(f"load job {job.job_id}: a load within the step reads only host slots")
+        layers = list(range(self.num_layers)) if per_layer else [None]
+        load = self._new(job, fills=0, transfers=len(layers))
         with self.book.lock:
-            load.copies_in_flight += self.num_layers
+            load.copies_in_flight += len(layers)
         blocks, slots = np.array(job.ready_block_ids, np.int64), np.array(job.ready_slot_ids, np.int64)
-        for layer in range(self.num_layers):
-            load.layer_transfer_ids[layer] = self.book.submit_transfer(blocks, slots, False, (True, job.job_id),
-                                                                       (layer,))
+        for layer in layers:
+            transfer_id = self.book.submit_transfer(blocks, slots, False, (True, job.job_id),
+                                                    None if layer is None else (layer,), inline=layer is None)
+            # A whole copy stands for every layer: waiting for any layer waits for it.
+            for each in ([layer] if layer is not None else range(self.num_layers)):
+                load.layer_transfer_ids[each] = transfer_id
 
     def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float) -> bool:
-        """Block until ``layer`` of these layer-wise loads is in the device cache."""
+        """Block until ``layer`` of these loads within the step is in the device cache."""
         with self.book.lock:
             wanted = {self.book.loads[j].layer_transfer_ids[layer] for j in load_job_ids
                       if j in self.book.loads and layer in self.book.loads[j].layer_transfer_ids}

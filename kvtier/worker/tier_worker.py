@@ -116,8 +116,8 @@ class TierWorker:
     def submit_load(self, job: LoadJob) -> None:
         self.loads.submit(job)
 
-    def submit_load_layers(self, job: LoadJob) -> None:
-        self.loads.submit_layers(job)
+    def submit_load_in_step(self, job: LoadJob, per_layer: bool) -> None:
+        self.loads.submit_in_step(job, per_layer)
 
     def wait_for_layer(self, load_job_ids: Sequence[int], layer: int, timeout: float = 60.0) -> bool:
         return self.loads.wait_for_layer(load_job_ids, layer, timeout)

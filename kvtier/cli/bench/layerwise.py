@@ -218,9 +218,9 @@ class _Rounds:
         worker, manager, blocks = self.worker, self.manager, self.block_ids.tolist()
         for tensor in self.tensors:  # so that only the load can put these bytes back
             tensor[self.block_ids] = 0
-        load = manager.plan_load("l", self.stored_keys, blocks, layerwise=True)
+        load = manager.plan_load("l", self.stored_keys, blocks, in_step=True)
         began = time.perf_counter()
-        worker.submit_load_layers(load)
+        worker.submit_load_in_step(load, per_layer=True)
         for layer in range(self.num_layers):
             worker.wait_for_layer([load.job_id], layer)
         self.results["load"].append(time.perf_counter() - began)
@@ -228,11 +228,11 @@ class _Rounds:
         self.exact &= all(torch.equal(t[self.block_ids].view(torch.int16), e.view(torch.int16))
                           for t, e in zip(self.tensors, self.stored_bytes))
 
-        load = manager.plan_load("l", self.stored_keys, blocks, layerwise=True)
+        load = manager.plan_load("l", self.stored_keys, blocks, in_step=True)
 
         def load_overlapped() -> float:
             began = time.perf_counter()
-            worker.submit_load_layers(load)
+            worker.submit_load_in_step(load, per_layer=True)
             self.compute_all(before_layer=lambda layer: worker.wait_for_layer([load.job_id], layer))
             return time.perf_counter() - began
 

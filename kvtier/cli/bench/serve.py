@@ -201,10 +201,14 @@ def _tail(path: Path, lines: int = 30) -> str:
 def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: list[str] | None = None,
         concurrency: int = 4, vllm_args: list[str] | None = None, blocks: int | None = BLOCKS,
         ideal: bool = True, ideal_blocks: int = IDEAL_BLOCKS, reserved_cpus: int = 1, port: int = 8321,
-        layout: str = "multiprocess", progress=lambda name: None) -> dict:
-    """Serve the workload with each server in turn; their results, measured in this run.
-    ``layout``: vLLM's, for every server: "multiprocess" (its default: the engine and its worker in
-    processes of their own) or "in_process" (the worker in the engine's process, one GPU's layout)."""
+        layout: str = "multiprocess", rounds: int = 1, progress=lambda name: None) -> dict:
+    """Serve the workload with each server in turn, ``rounds`` times over; their results, measured in
+    this run. ``layout``: vLLM's, for every server: "multiprocess" (its default: the engine and its
+    worker in processes of their own) or "in_process" (the worker in the engine's process, one GPU's
+    layout). With several rounds, each figure is the median of a server's rounds, beside its
+    ``spread`` (largest over smallest, less 1): a ratio between servers closer to 1 than their own
+    spreads is not told apart by this run. Round r's client draws its prompts with seed r, the same
+    for every server, so no round finds what an earlier one stored."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     extra = kvtier_config if kvtier_config is not None else {"disk_dir": str(work / "kv-cache"),
@@ -220,42 +224,77 @@ def run(model: str, workdir: str, kvtier_config: dict | None = None, dataset: li
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if layout == "in_process" else "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    results: dict[str, dict] = {}
-    for name, args in servers.items():
-        progress(name)
-        server = Server(name, model, args, env, port, work / f"{name}.log")
-        try:
-            server.wait_ready()
-            threads = worker_threads(server.process.pid)
-            client = [sys.executable, "-c", CLIENT, "--backend", "vllm", "--base-url", server.url(), "--model", model,
-                      "--endpoint", "/v1/completions", "--max-concurrency", str(concurrency), "--seed", "0",
-                      "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                      "--save-result", "--result-dir", str(work), "--result-filename", f"{name}.json",
-                      "--disable-tqdm", *(DATASET if dataset is None else dataset)]
-            with open(work / f"{name}-client.log", "w") as log:
-                done = subprocess.run(client, env=env, stdout=log, stderr=subprocess.STDOUT)
-            if done.returncode != 0:
-                raise RuntimeError(f"vLLM's client failed against the {name} server; its log: "
-                                   f"{work / f'{name}-client.log'}\n" + _tail(work / f"{name}-client.log"))
-            measured = json.loads((work / f"{name}.json").read_text())
-            metrics = settled_metrics(server) if name == "kvtier" else ""
-        finally:
-            server.stop()
-        results[name] = {key: measured.get(key) for key in (
-            "completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-            "request_throughput", "output_throughput", "total_input_tokens", "duration")}
-        results[name].update(worker_threads=threads, hit_tokens_by_tier=kvtier_hit_tokens(metrics))
-        if name == "kvtier":
-            results[name]["explain"] = explain(metrics)
-    threads = {name: r["worker_threads"] for name, r in results.items()}
+    measured: dict[str, list[dict]] = {name: [] for name in servers}
+    pages = []  # kvtier's /metrics of each round: its counters, summed over rounds by ``explain``
+    for round_ in range(rounds):
+        # Servers alternate within each round, so a drift of the machine falls on all of them alike.
+        for name, args in servers.items():
+            progress(name if rounds == 1 else f"{name}, round {round_ + 1} of {rounds}")
+            figures, metrics = _serve(name, model, args, env, port, work, concurrency, dataset, seed=round_)
+            measured[name].append(figures)
+            pages += [metrics] if name == "kvtier" else []
+    results = {name: _median(runs) for name, runs in measured.items()}
+    results["kvtier"]["explain"] = explain("\n".join(pages))
+    threads = {f"{name} {i}": r["worker_threads"] for name, runs in measured.items() for i, r in enumerate(runs)}
     report = {"model": model, "concurrency": concurrency, "dataset": DATASET if dataset is None else dataset,
               "vllm_args": flags, "device_blocks": blocks, "reserved_cpus": reserved_cpus, "layout": layout,
-              "kvtier_config": extra,
+              "kvtier_config": extra, "rounds": rounds,
               "servers": results, "fair": fair(threads)}
+    if rounds > 1:
+        report["round_figures"] = measured
     for peer in ("none", "ideal"):
         if peer in results:
             report[f"kvtier_vs_{peer}"] = _ratios(results["kvtier"], results[peer])
     return report
+
+
+FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+           "request_throughput", "output_throughput", "total_input_tokens", "duration")
+SPREAD = ("mean_ttft_ms", "mean_tpot_ms", "request_throughput")  # the figures the ratios compare
+
+
+def _serve(name: str, model: str, args: list[str], env: dict, port: int, work: Path, concurrency: int,
+           dataset: list[str] | None, seed: int) -> tuple[dict, str]:
+    """One server started, driven by vLLM's client and stopped: its figures, and its /metrics (kvtier's)."""
+    server = Server(name, model, args, env, port, work / f"{name}.log")
+    try:
+        server.wait_ready()
+        threads = worker_threads(server.process.pid)
+        client = [sys.executable, "-c", CLIENT, "--backend", "vllm", "--base-url", server.url(), "--model", model,
+                  "--endpoint", "/v1/completions", "--max-concurrency", str(concurrency), "--seed", str(seed),
+                  "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                  "--save-result", "--result-dir", str(work), "--result-filename", f"{name}.json",
+                  "--disable-tqdm", *(DATASET if dataset is None else dataset)]
+        with open(work / f"{name}-client.log", "w") as log:
+            done = subprocess.run(client, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM's client failed against the {name} server; its log: "
+                               f"{work / f'{name}-client.log'}\n" + _tail(work / f"{name}-client.log"))
+        answer = json.loads((work / f"{name}.json").read_text())
+        metrics = settled_metrics(server) if name == "kvtier" else ""
+    finally:
+        server.stop()
+    figures = {key: answer.get(key) for key in FIGURES}
+    figures.update(worker_threads=threads, hit_tokens_by_tier=kvtier_hit_tokens(metrics))
+    return figures, metrics
+
+
+def _median(runs: list[dict]) -> dict:
+    """A server's rounds as one: each figure's median, hit tokens per round, and the spread."""
+    import statistics
+
+    if len(runs) == 1:
+        return dict(runs[0])
+    out = {key: statistics.median(r[key] for r in runs) if all(r.get(key) is not None for r in runs) else None
+           for key in FIGURES}
+    threads = {r["worker_threads"] for r in runs}
+    out["worker_threads"] = threads.pop() if len(threads) == 1 else None  # differing rounds: not fair
+    tiers = {tier for r in runs for tier in r["hit_tokens_by_tier"]}
+    out["hit_tokens_by_tier"] = {tier: sum(r["hit_tokens_by_tier"].get(tier, 0) for r in runs) / len(runs)
+                                 for tier in tiers}
+    out["spread"] = {key: max(r[key] for r in runs) / min(r[key] for r in runs) - 1 for key in SPREAD
+                     if all(r.get(key) for r in runs)}
+    return out
 
 
 def _ratios(kvtier: dict, peer: dict) -> dict:
@@ -315,6 +354,8 @@ def main(args) -> dict:
     # A SIGTERM (a CI job's timeout, kill) unwinds like Ctrl-C, so the server under way is stopped
     # with its children: it runs in a session of its own and would outlive this process.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.rounds < 1:
+        raise SystemExit(f"kvtier bench serve: --rounds must be at least 1, not {args.rounds}")
     model = args.model
     if model is None:
         from kvtier.cli.demo.model import make_model
@@ -326,7 +367,8 @@ def main(args) -> dict:
                      args.client_args.split() if args.client_args else None, args.concurrency,
                      args.vllm_args.split() if args.vllm_args is not None else None,
                      None if args.blocks == 0 else args.blocks, args.ideal, args.ideal_blocks, args.reserved_cpus,
-                     args.port, args.layout, lambda name: progress.update(task, description=f"bench serve: {name}"))
+                     args.port, args.layout, args.rounds,
+                     lambda name: progress.update(task, description=f"bench serve: {name}"))
     report["plot"] = str(plot(report, Path(args.workdir) / "ttft.png"))
     (Path(args.workdir) / "result.json").write_text(json.dumps(report, indent=2))
     if not args.json:
@@ -337,6 +379,9 @@ def main(args) -> dict:
                                                                f"{r['p99_ttft_ms']:.0f} ms"))
             rows.append((f"{name}: TPOT mean, requests/s", f"{r['mean_tpot_ms']:.1f} ms, {r['request_throughput']:.2f}"))
             rows.append((f"{name}: worker threads, kvtier hits", f"{r['worker_threads']}, {hits}"))
+            if r.get("spread"):
+                rows.append((f"{name}: spread of its {report['rounds']} rounds (TTFT, TPOT, requests/s)",
+                             ", ".join(f"{100 * r['spread'].get(key, 0):.1f} %" for key in SPREAD)))
         for peer in ("none", "ideal"):
             ratios = report.get(f"kvtier_vs_{peer}", {})
             if ratios:

@@ -48,7 +48,7 @@ class SchedulerSide:
         self.manager: TierManager | None = None
         self.requests = Requests(self.fingerprint, self.block_size, extra_keys)  # each request's keys and device blocks
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of its last lookup
-        self._layerwise_loads: set[str] = set()  # requests whose hit loads layer by layer, during the forward
+        self._in_step_loads: set[str] = set()  # requests whose hit is copied within the step of its forward
         if not geometry.extends_loaded_kv:
             logger.warning("kvtier: this engine's attention (vLLM's CPU MLA) computes no prompt over KV loaded for its "
                            "start, so kvtier loads nothing here: it stores, and counts the prompt tokens it looks up "
@@ -119,19 +119,18 @@ class SchedulerSide:
             return None, False
         num_external = hit_tokens - num_computed_tokens
         self._lookups[request.request_id] = num_computed_tokens
-        self._layerwise_loads.discard(request.request_id)
+        self._in_step_loads.discard(request.request_id)
         # vLLM recomputes a whole-prompt hit's last token: a hit of that token alone would add none,
         # and of a one-token prompt vLLM would look the request up again after each load, for ever.
         if num_external <= 0 or (hit_tokens == num_tokens and num_external == 1):
             self.times.answered(request.request_id, loads=False)
             return 0, False
         self.times.answered(request.request_id, loads=True)
-        # A synchronous load leaves vLLM at least one token to compute; a hit of the whole prompt goes
-        # the asynchronous way, where vLLM recomputes the last token itself.
-        if self.config.layerwise and not self.config.save_only_first_rank and hit_tokens % self.block_size == 0 and \
-                hit_tokens < num_tokens and self.manager.host_hits(keys[start:hit_blocks]) == hit_blocks - start:
-            # All in host memory: load during the forward, layer by layer (a synchronous load).
-            self._layerwise_loads.add(request.request_id)
+        # vLLM's synchronous load (scheduled now, copied before its forward) leaves it at least one token
+        # to compute: a hit of the whole prompt goes the asynchronous way, where vLLM recomputes the last.
+        if hit_tokens % self.block_size == 0 and hit_tokens < num_tokens and \
+                self.manager.can_load_in_step(keys[start:hit_blocks]):
+            self._in_step_loads.add(request.request_id)
             return num_external, False
         return num_external, True
 
@@ -141,6 +140,8 @@ class SchedulerSide:
         if request.request_id not in self._lookups:
             return  # the second call, after a load: only the block list changed
         first_token = self._lookups.pop(request.request_id)  # what vLLM's own prefix cache covers
+        in_step = request.request_id in self._in_step_loads
+        self._in_step_loads.discard(request.request_id)
         hit_tokens = first_token + num_external_tokens  # vLLM may take less than kvtier offered
         self.miss_tokens += count_misses(self.manager, self.requests, self.geometry, request, state, hit_tokens,
                                          handed_tokens(request, self.handed_block_size))
@@ -157,9 +158,7 @@ class SchedulerSide:
         vllm_blocks = blocks.blocks[0]
         at = [first_block + i for i in range(len(keys)) if not getattr(vllm_blocks[first_block + i], "is_null", False)]
         keys, block_ids = [keys[b - first_block] for b in at], [state.block_ids[b] for b in at]
-        job = self.manager.plan_load(request.request_id, keys, block_ids,
-                                     layerwise=request.request_id in self._layerwise_loads)
-        self._layerwise_loads.discard(request.request_id)
+        job = self.manager.plan_load(request.request_id, keys, block_ids, in_step=in_step)
         self._new_loads.append(job)
         state.num_stored_blocks = max(state.num_stored_blocks, hit_tokens // self.block_size)
         state.partial_planned = state.partial_planned or bool(hit_tokens % self.block_size)
@@ -173,7 +172,7 @@ class SchedulerSide:
             self._new_loads.append(job)
             self.hits.planned(job)
         for job in self._new_loads:
-            self.times.sent(job.req_id, job.job_id)
+            self.times.sent(job.req_id, job.job_id, job.in_step)
         scheduled = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             self.times.scheduled(req_id)
@@ -258,6 +257,7 @@ class SchedulerSide:
         self.times.finished(request.request_id, has_token=request.num_output_tokens > 0)
         state = self.requests.pop(request.request_id)
         self._lookups.pop(request.request_id, None)
+        self._in_step_loads.discard(request.request_id)
         self.handoffs.forget(request.request_id)
         if self.manager is not None:
             self.manager.forget(request.request_id)

@@ -37,9 +37,9 @@ class WorkerSide:
         self._num_reports = 0
         self._untaken: list[RankReport] = []  # reports sent that no step has said were taken (``RankReport``)
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
-        self._step_layer_loads: list[int] = []  # this step's layer-wise loads
-        self._step_layer_blocks: set[int] = set()  # their device blocks
-        self._layerwise_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
+        self._step_loads: list[int] = []  # this step's loads within the step (``LoadJob.in_step``)
+        self._step_blocks: set[int] = set()  # their device blocks
+        self._in_step_load_ids: set[int] = set()  # synchronous: vLLM expects no finished_recving for them
         self._waves: set[int] = set()  # loads that a later job of their request ends (``LoadJob.final``)
         self.tier_worker: TierWorker | None = None
         self._submitted_job_ids: set[int] = set()
@@ -119,36 +119,47 @@ class WorkerSide:
         self._idle_wait_s = meta.idle_wait_s
         for job in self._new_jobs(meta.finished_store_jobs):  # their KV is in place: no forward to wait for
             self.tier_worker.submit_store(job)
-        self._step_layer_loads, self._step_layer_blocks = [], set()
+        self._step_loads, self._step_blocks = [], set()
         for job in self._new_jobs(meta.load_jobs):
             self._load_owner[job.job_id] = job.req_id
             if not job.final:
                 self._waves.add(job.job_id)
-            if job.layerwise and self.tier_worker.num_layers == len(self._layer_index):
-                # Every layer's copy starts now, in layer order; each layer's attention waits for its own.
-                self.tier_worker.submit_load_layers(job)
-                self._step_layer_loads.append(job.job_id)
-                self._step_layer_blocks.update(job.ready_block_ids)
-                self._layerwise_load_ids.add(job.job_id)
+            if job.in_step:
+                # Layer-wise, every layer's copy starts now, in layer order, and each layer's attention
+                # waits for its own; else one copy of every layer, waited for below.
+                self.tier_worker.submit_load_in_step(job, per_layer=self._per_layer)
+                self._step_loads.append(job.job_id)
+                self._step_blocks.update(job.ready_block_ids)
+                self._in_step_load_ids.add(job.job_id)
             else:
                 self.tier_worker.submit_load(job)
+        if self._step_loads and not self._per_layer:
+            self._wait_for_in_step_loads(0)  # before the forward: attention reads these blocks
         if self.config.layerwise and self.tier_worker.num_layers == len(self._layer_index):
             for job in meta.store_jobs:  # every layer's transfer made now, so that save_kv_layer only enqueues
                 if job.job_id not in self._submitted_job_ids:
                     self.tier_worker.prepare_store_layers(job)
 
+    @property
+    def _per_layer(self) -> bool:
+        """Loads within the step go layer by layer: ``layerwise``, and vLLM calls the layer hooks with a
+        KV tensor per layer (a cross-layer cache has one for all)."""
+        return self.config.layerwise and self.tier_worker.num_layers == len(self._layer_index)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._step_layer_loads:
+        if self._step_loads and self._per_layer:
             # Only this layer: layers after it keep arriving while it computes.
-            layer = self._layer_index[layer_name]
-            if not self.tier_worker.wait_for_layer(self._step_layer_loads, layer, self.config.load_timeout_s):
-                # The layer's KV is not in the device cache in time: this step's layer-wise blocks are
-                # reported failed, so vLLM recomputes them (and drops what this step computed on them).
-                # A late copy still lands the same bytes, into blocks pinned until it does.
-                logger.error("kvtier: layer %d of loads %s not copied within load_timeout_s=%.1f s; their "
-                             "blocks will be recomputed", layer, self._step_layer_loads, self.config.load_timeout_s)
-                self._load_error_block_ids.update(self._step_layer_blocks)
-                self._step_layer_loads = []
+            self._wait_for_in_step_loads(self._layer_index[layer_name])
+
+    def _wait_for_in_step_loads(self, layer: int) -> None:
+        if not self.tier_worker.wait_for_layer(self._step_loads, layer, self.config.load_timeout_s):
+            # The KV is not in the device cache in time: this step's in-step blocks are reported
+            # failed, so vLLM recomputes them (and drops what this step computed on them).
+            # A late copy still lands the same bytes, into blocks pinned until it does.
+            logger.error("kvtier: layer %d of loads %s not copied within load_timeout_s=%.1f s; their "
+                         "blocks will be recomputed", layer, self._step_loads, self.config.load_timeout_s)
+            self._load_error_block_ids.update(self._step_blocks)
+            self._step_loads = []
 
     def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
         if not self.config.layerwise or not meta.store_jobs or self.tier_worker.num_layers != len(self._layer_index):
@@ -197,8 +208,8 @@ class WorkerSide:
             self._submitted_job_ids.discard(report.job_id)
             if report.is_load:
                 req_id = self._load_owner.pop(report.job_id)
-                if report.job_id in self._layerwise_load_ids:
-                    self._layerwise_load_ids.discard(report.job_id)  # synchronous: done within its step
+                if report.job_id in self._in_step_load_ids:
+                    self._in_step_load_ids.discard(report.job_id)  # synchronous: done within its step
                 elif report.job_id in self._waves:
                     self._waves.discard(report.job_id)  # a wave: the request's load ends with a later job
                 else:
