@@ -7,6 +7,7 @@ the middle of it and see (or leave) the wrong bytes. With the copier's stream wa
 removed, they fail (scripts/gpu_check.sh makes those mutations and expects the failures).
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -334,10 +335,11 @@ def mla_tensors(num_layers=4, num_blocks=NB, block_size=BS, latent=576):
     return tensors
 
 
+@pytest.mark.parametrize("per_layer", [True, False])
 @pytest.mark.parametrize("layout", ["flash", "mla"])
-def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir, layout):
-    """TierWorker on CUDA: layer-wise stores after each layer's write, then layer-wise
-    loads whose layers the compute stream waits for (no host wait)."""
+def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir, layout, per_layer):
+    """TierWorker on CUDA: layer-wise stores after each layer's write, then loads within the step
+    (layer by layer, or one copy of every layer) that the compute stream waits for (no host wait)."""
     from test_tiering import BS as ENGINE_BS, NB as ENGINE_NB, Engine, keys_of
 
     make = flash_tensors if layout == "flash" else mla_tensors
@@ -367,10 +369,11 @@ def test_worker_layerwise_load_and_store_through_the_compute_stream(disk_dir, la
     targets = list(range(26, 42))
     load = engine.manager.plan_load("r", keys_of(range(16)), targets)
     assert not load.fill_keys  # every block is in host slots: a layer-wise load
-    worker.submit_load_in_step(load, per_layer=True)
+    load = dataclasses.replace(load, in_step=True)
+    worker.submit_load_in_step(load, per_layer=per_layer)
     seen = []
     for layer in range(len(tensors)):
-        assert worker.wait_for_layer([load.job_id], layer)
+        assert worker.wait_for_layer([load.job_id], layer)  # one copy of every layer: any layer waits for it
         seen.append(blocks(tensors[layer], targets).clone())  # this layer's attention reads its blocks
     torch.cuda.synchronize()
     for s, f in zip(seen, final):

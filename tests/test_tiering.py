@@ -375,15 +375,30 @@ def test_only_a_small_hit_held_whole_in_the_host_pool_loads_within_the_step(disk
     probe.close()
     engine = Engine(tensors, disk_dir, host_blocks=2, in_step_load_bytes=2 * slot_bytes)
     engine.run([engine.manager.plan_store("r", keys_of([1, 2]), [1, 2])], engine.worker.submit_store)
-    assert engine.manager.can_load_in_step(keys_of([1, 2]))
+    assert engine.manager.can_load_in_step(keys_of([1, 2]), None)
     engine.run([engine.manager.plan_store("r", keys_of([3]), [3])], engine.worker.submit_store)  # evicts key 1 to disk
     assert engine.manager.host.lookup(keys_of([1])) == 0 and engine.manager.lookup(keys_of([1])) == 1
-    assert not engine.manager.can_load_in_step(keys_of([1]))  # a disk hit: the step would wait for its read
-    assert engine.manager.can_load_in_step(keys_of([2, 3]))
+    assert not engine.manager.can_load_in_step(keys_of([1]), None)  # a disk hit: the step would wait for its read
+    assert engine.manager.can_load_in_step(keys_of([2, 3]), None)
     engine.config = dataclasses.replace(engine.config, in_step_load_bytes=slot_bytes)
     engine.manager.config = engine.config
-    assert not engine.manager.can_load_in_step(keys_of([2, 3]))  # larger than in_step_load_bytes
-    assert engine.manager.can_load_in_step(keys_of([2]))
+    assert not engine.manager.can_load_in_step(keys_of([2, 3]), None)  # larger than in_step_load_bytes
+    assert engine.manager.can_load_in_step(keys_of([2]), None)
+    engine.close()
+
+
+def test_a_host_hit_whose_pins_need_more_than_one_wave_is_not_loaded_within_the_step(disk_dir):
+    """Slots that other lookups were promised leave a hit's pins for waves: beside the steps it loads
+    whole, within a step its blocks past the first wave would be recomputed."""
+    tensors = layouts()[0][1]
+    engine = Engine(tensors, disk_dir, host_blocks=3)
+    engine.run([engine.manager.plan_store("r", keys_of([1, 2]), [1, 2])], engine.worker.submit_store)
+    assert engine.manager.lookup(keys_of([1, 2]), token="other") == 2  # promised 2 of the 3 slots
+    assert engine.manager.lookup(keys_of([1, 2]), token="t") == 2
+    assert not engine.manager.can_load_in_step(keys_of([1, 2]), "t")  # one slot left: two waves
+    engine.manager.drop_lookup("other")
+    assert engine.manager.lookup(keys_of([1, 2]), token="t") == 2
+    assert engine.manager.can_load_in_step(keys_of([1, 2]), "t")
     engine.close()
 
 

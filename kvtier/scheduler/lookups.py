@@ -35,6 +35,7 @@ class Lookups:
         self._promised: dict[str, int] = {}  # token -> host slots its lookup counted on
         self._waiting_since: dict[str, float] = {}  # token -> when its lookup began waiting for a write
         self._slot_limited: set[str] = set()  # tokens whose last lookup's hits stopped for lack of host slots
+        self._in_waves: set[str] = set()  # tokens whose last lookup's hits need more host slots than one wave has
         # Token -> the tiers whose load failed for it (a read that failed or timed out): its lookups ask
         # them no more, so vLLM loads from the other tiers or recomputes. Else a tier that answers for its
         # entries but cannot serve them (a pool too slow to read) would have the request loaded, failed
@@ -78,6 +79,7 @@ class Lookups:
         self._found[token] = found
         limited = bool(sources) and not first_wave  # found, but no slot
         (self._slot_limited.add if limited else self._slot_limited.discard)(token)
+        (self._in_waves.add if first_wave < len(sources) else self._in_waves.discard)(token)
         # Found, but not one host slot to stage its first block in: every slot is pinned by a load or
         # store in flight, being written, or promised, and each frees as its job ends (a hit of one
         # block loads the rest in waves). Or the hits stop at a block being written to the host pool.
@@ -108,6 +110,11 @@ class Lookups:
             if tier_found.get(key):
                 return tier.name
         return None
+
+    def in_one_wave(self, token: str) -> bool:
+        """Whether the token's last lookup found host slots for all its hits at once (else they load
+        in waves, ``walk``)."""
+        return token not in self._in_waves
 
     def window_start(self, keys: Sequence[bytes], found: list[dict[bytes, bool]],
                      first_read: Callable[[int], int]) -> int:
@@ -197,4 +204,5 @@ class Lookups:
         """Drop what the token's lookup remembered (a request that went away)."""
         self.take(token)
         self._slot_limited.discard(token)
+        self._in_waves.discard(token)
         self._failed.pop(token, None)

@@ -68,14 +68,15 @@ class TierManager:
     def free_slots(self) -> int:
         return self.lookups.free_slots()
 
-    def can_load_in_step(self, keys: Sequence[bytes]) -> bool:
-        """Whether a hit of ``keys`` can be copied within the engine's step that computes the rest of its
-        prompt, as the engine's own prefix cache serves a hit: held whole in the host pool (a copy, no
-        read that the step would wait for) and no larger than ``in_step_load_bytes``. A hit read from a
-        tier, a larger one, or one whose other ranks receive it by broadcast (``save_only_first_rank``)
-        loads beside the steps instead."""
+    def can_load_in_step(self, keys: Sequence[bytes], token: str) -> bool:
+        """Whether a hit of ``keys`` (``token``'s last lookup) can be copied within the engine's step that
+        computes the rest of its prompt, as the engine's own prefix cache serves a hit: held whole in the
+        host pool (a copy, no read that the step would wait for), its pins all in one wave, and no larger
+        than ``in_step_load_bytes``. A hit read from a tier, a larger one, or one whose other ranks
+        receive it by broadcast (``save_only_first_rank``) loads beside the steps instead."""
         return not self.config.save_only_first_rank and len(keys) * self.slot_bytes <= \
-            self.config.in_step_load_bytes and self.host.lookup(keys) == len(keys)
+            self.config.in_step_load_bytes and self.host.lookup(keys) == len(keys) and \
+            self.lookups.in_one_wave(token)
 
     def may_hold(self, key: bytes) -> bool:
         """A guess that costs a few dict lookups: the host pool or a tier that answers from its own

@@ -129,7 +129,7 @@ class SchedulerSide:
         # vLLM's synchronous load (scheduled now, copied before its forward) leaves it at least one token
         # to compute: a hit of the whole prompt goes the asynchronous way, where vLLM recomputes the last.
         if hit_tokens % self.block_size == 0 and hit_tokens < num_tokens and \
-                self.manager.can_load_in_step(keys[start:hit_blocks]):
+                self.manager.can_load_in_step(keys[start:hit_blocks], request.request_id):
             self._in_step_loads.add(request.request_id)
             return num_external, False
         return num_external, True
