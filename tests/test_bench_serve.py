@@ -36,12 +36,17 @@ def test_explain_gives_each_phase_its_mean_per_hit_from_kvtiers_counters():
         f'vllm:kvtier_hit_lookup_rounds_total{{{labels}}} 2.0',
         f'vllm:kvtier_load_bytes_total{{{labels}}} 4194304.0',
         *(f'vllm:kvtier_hit_phase_seconds_total{{{labels},phase="{phase}"}} {seconds}'
-          for phase, seconds in [("queue", 0.4), ("lookup", 0.02), ("read", 0.08), ("copy", 0.04), ("forward", 0.2)])])
+          for phase, seconds in [("queue", 0.4), ("lookup", 0.02), ("read", 0.08), ("copy", 0.04), ("forward", 0.2)]),
+        f'vllm:kvtier_hit_in_step_requests_total{{{labels}}} 1.0',  # one hit copied within its step
+        *(f'vllm:kvtier_hit_in_step_phase_seconds_total{{{labels},phase="{phase}"}} {seconds}'
+          for phase, seconds in [("queue", 0.1), ("lookup", 0.002), ("copy", 0.001), ("forward", 0.05)])])
     figures = serve.explain(page)
     assert figures["hit_requests"] == 4 and figures["lookup_rounds_per_hit"] == 0.5
     assert figures["load_bytes_per_hit"] == 2**20
     assert figures["phases_ms"]["queue"] == pytest.approx(100) and figures["phases_ms"]["plan"] == 0
     assert figures["beyond_ideal_ms"] == pytest.approx(5 + 20 + 10)  # lookup, read, copy: not queue nor forward
+    assert figures["paths"]["in_step"] == {"hits": 1, "beyond_ideal_ms": pytest.approx(2 + 1)}
+    assert figures["paths"]["beside_steps"] == {"hits": 3, "beyond_ideal_ms": pytest.approx((18 + 80 + 39) / 3)}
     assert serve.explain("") == {"hit_requests": 0}  # no hit: nothing to explain
 
 

@@ -140,4 +140,7 @@ def test_a_hit_copied_within_its_step_waits_for_no_report_and_no_resumption(time
     assert got["to_worker"] == pytest.approx(0.003) and got["copy"] == pytest.approx(0.001)
     assert got["read"] == 0 and got["report"] == 0 and got["resume"] == 0
     assert got["forward"] == pytest.approx(0.016)  # from the copy's end: the forward ran right after it
+    assert times.num_in_step == 1 and times.in_step_seconds == got
+    follow(times, clock, req="s", job=2)  # a hit loaded beside the steps is not counted among them
+    assert times.num_requests == 2 and times.num_in_step == 1 and times.in_step_seconds["forward"] == pytest.approx(0.016)
     assert times.num_followed == 0

@@ -242,6 +242,7 @@ def test_metrics_appear_on_vllm_metrics_endpoint(workdir):
     assert phases["forward"] > 0 and phases["copy"] > 0 and all(v >= 0 for v in phases.values())
     assert phases["read"] == 0  # a host hit reads nothing from a tier
     assert phases["report"] == 0 and phases["resume"] == 0  # copied within its step, in this layout too
+    assert metrics["vllm:kvtier_hit_in_step_requests_total"] == 1
     # Every metric the Grafana dashboard in docs/ charts is one this server exports.
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvtier.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
@@ -268,6 +269,7 @@ def test_a_host_hit_is_copied_within_the_step_that_computes_the_rest_of_its_prom
     phases = state["hit_phase_seconds"]
     assert state["hit_requests"] == 1 and phases["copy"] > 0 and phases["read"] == 0
     assert (phases["report"] == 0 and phases["resume"] == 0) == in_step
+    assert state["hit_in_step_requests"] == int(in_step)
     assert state["verify_failures"] == 0 and state["host_pins"] == 0 and state["pending_jobs"] == 0
 
 

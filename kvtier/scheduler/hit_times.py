@@ -51,6 +51,10 @@ class HitTimes:
         self.seconds = {phase: 0.0 for phase in PHASES}  # summed over the requests counted
         self.num_requests = 0
         self.num_rounds = 0  # "ask again" answers of the requests counted
+        # Of those, the hits copied within the step of their forward (``LoadJob.in_step``), apart: the
+        # rest loaded beside the steps, through a tier read or past in_step_load_bytes.
+        self.in_step_seconds = {phase: 0.0 for phase in PHASES}
+        self.num_in_step = 0
 
     def asked(self, req_id: str, arrival_wall: float) -> None:
         """kvtier is asked for a request's hits: again after an "ask again" answer (a round), or anew."""
@@ -126,13 +130,18 @@ class HitTimes:
         if "report" not in marks:  # a load in flight still (it was preempted and resumed): no account
             return self._forget_jobs(timeline)
         marks["forward"] = self._clock()
-        self.seconds["queue"] += max(0.0, timeline.asked_wall - timeline.arrival)
+        spent = {"queue": max(0.0, timeline.asked_wall - timeline.arrival)}
         last = marks["queue"]
         for phase in PHASES[1:]:  # each phase ends at its mark; one not set ends where the last did
             end = max(last, marks.get(phase, last))
-            self.seconds[phase] += end - last
+            spent[phase] = end - last
             last = end
+        for phase, seconds in spent.items():
+            self.seconds[phase] += seconds
+            if timeline.in_step:
+                self.in_step_seconds[phase] += seconds
         self.num_requests += 1
+        self.num_in_step += timeline.in_step
         self.num_rounds += timeline.rounds
 
     def first_tokens(self, has_token) -> None:

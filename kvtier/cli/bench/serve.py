@@ -138,11 +138,25 @@ def explain(metrics_text: str) -> dict:
     if not requests:
         return {"hit_requests": 0}
     phases_ms = {phase: 1000 * seconds.get(phase, 0.0) / requests for phase in PHASES}
+    # Hits copied within the step of their forward, and the rest (loaded beside the steps), apart.
+    in_step = _total(metrics_text, "vllm:kvtier_hit_in_step_requests_total")
+    in_step_seconds = _labelled(metrics_text, "vllm:kvtier_hit_in_step_phase_seconds_total", "phase")
+    paths = {}
+    for path, hits, spent in (("in_step", in_step, in_step_seconds),
+                              ("beside_steps", requests - in_step,
+                               {phase: seconds.get(phase, 0.0) - in_step_seconds.get(phase, 0.0) for phase in PHASES})):
+        if hits:
+            paths[path] = {"hits": int(hits), "beyond_ideal_ms": sum(1000 * spent.get(phase, 0.0) / hits
+                                                                     for phase in PHASES if phase not in IDEAL_PHASES)}
     return {"hit_requests": int(requests),
             "lookup_rounds_per_hit": _total(metrics_text, "vllm:kvtier_hit_lookup_rounds_total") / requests,
             "load_bytes_per_hit": _total(metrics_text, "vllm:kvtier_load_bytes_total") / requests,
             "phases_ms": phases_ms,
-            "beyond_ideal_ms": sum(ms for phase, ms in phases_ms.items() if phase not in ("queue", "forward"))}
+            "beyond_ideal_ms": sum(ms for phase, ms in phases_ms.items() if phase not in IDEAL_PHASES),
+            "paths": paths}
+
+
+IDEAL_PHASES = ("queue", "forward")  # what a hit of an ideal device cache spends too
 
 
 class Server:
@@ -340,6 +354,9 @@ def explain_rows(report: dict) -> list[tuple[str, str]]:
     rows.append(("hit: phases an ideal cache has not", f"{figures['beyond_ideal_ms']:.1f} ms "
                                                       f"({figures['lookup_rounds_per_hit']:.1f} lookup rounds, "
                                                       f"{figures['load_bytes_per_hit'] / 2**20:.2f} MiB loaded)"))
+    for path, figures_of_path in figures.get("paths", {}).items():
+        rows.append((f"hit: beyond an ideal hit, {path.replace('_', ' ')} ({figures_of_path['hits']} hits)",
+                     f"{figures_of_path['beyond_ideal_ms']:.1f} ms"))
     if "ideal" in report["servers"]:
         gap = report["servers"]["kvtier"]["mean_ttft_ms"] - report["servers"]["ideal"]["mean_ttft_ms"]
         rows.append(("mean TTFT, kvtier - ideal (every request)", f"{gap:.1f} ms"))

@@ -114,6 +114,7 @@ def kvtier_state(llm) -> dict:
         "timed_requests": scheduler.times.num_followed,  # hits whose time to first token is being followed
         "hit_requests": scheduler.times.num_requests,
         "hit_phase_seconds": dict(scheduler.times.seconds),
+        "hit_in_step_requests": scheduler.times.num_in_step,
         "preemptions": scheduler.requests.num_preempted,  # vLLM freed a running request's blocks
         "handoff_waiting": scheduler.handoffs.num_waiting,  # requests waiting for a producer's blocks
         "handoff_timeouts": scheduler.handoffs.num_timeouts,

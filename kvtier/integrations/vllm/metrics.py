@@ -35,6 +35,8 @@ COUNTERS = {
                          "storage pool was down, or their load from it failed",
     "hit_requests": "Requests whose first token followed a load from kvtier (counted in hit_phase_seconds)",
     "hit_lookup_rounds": "Times those requests' lookups answered 'ask again' (a tier or a block on its way)",
+    "hit_in_step_requests": "Of those requests, the ones whose hit was copied within the step of its forward "
+                            "(held in the host pool; counted in hit_in_step_phase_seconds too)",
 }
 TIER_COUNTERS = {
     "hit_tokens": "Prompt tokens loaded, by the tier they came from",
@@ -56,6 +58,7 @@ REASON_COUNTERS = {
 # lookup, plan, to_worker, read, copy, report, resume, forward). Keyed "<name>|<phase>".
 PHASE_COUNTERS = {
     "hit_phase_seconds": "Seconds of kvtier hits' time to first token, by phase",
+    "hit_in_step_phase_seconds": "Of those seconds, the ones of hits copied within the step of their forward",
 }
 GAUGES = {
     "host_used_slots": "Host pool slots in use",
@@ -154,6 +157,8 @@ class StatsTracker:
             **{f"miss_tokens_by_reason|{reason}": n for reason, n in manager.ledger.misses.items()},
             "hit_requests": times.num_requests, "hit_lookup_rounds": times.num_rounds,
             **{f"hit_phase_seconds|{phase}": seconds for phase, seconds in times.seconds.items()},
+            "hit_in_step_requests": times.num_in_step,
+            **{f"hit_in_step_phase_seconds|{phase}": seconds for phase, seconds in times.in_step_seconds.items()},
         }
         deltas = {name: value - self._last.get(name, 0) for name, value in totals.items()}
         gauges = {"host_used_slots": manager.host.num_used, "host_pinned_slots": manager.host.num_pinned,
