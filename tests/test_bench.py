@@ -60,3 +60,18 @@ def test_bench_tiers_reports_every_promised_key(tmp_path):
                 "raw_read_after_pause_gbps", "hit_vs_floor_after_pause"):
         assert tier[key] > 0, key
     assert tier["blocks_served_fraction"] == 1.0 and tier["tier_hit_tokens"] > 0
+
+
+@pytest.mark.vllm
+def test_bench_node_reports_every_promised_key_and_each_hit_from_where_it_says(tmp_path):
+    """Five engine processes and a node server (quick size): every ratio, and every hit served whole
+    from the tier it names (host pool, disk, node)."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "node", "--quick", "--workdir", str(tmp_path),
+                          "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    for key in ("a_node_hit_vs_embedded_host_hit", "b_hit_on_a_vs_own_host_hit", "c_after_restart_vs_warm_host_hit",
+                "c_after_restart_vs_embedded_disk_hit_after_restart"):
+        assert result["ratios"][key] > 0, key
+    served = result["served_tokens"]
+    expected = served.pop("expected_per_kind")
+    assert served == dict.fromkeys(served, expected)

@@ -132,12 +132,15 @@ def _bounded(check, spec, timeout_s: float) -> Check:
 
 def run(config_file: str | None = None, kv_transfer_config: str | None = None, model: str | None = None,
         tier_timeout_s: float = 20.0, token_ids: list[int] | None = None, namespace: str | None = None,
-        engine_args: dict | None = None) -> dict:
+        engine_args: dict | None = None, node_socket: str | None = None) -> dict:
     checks: list[Check] = []
     from kvtier.tiers.registry import tier_specs
 
     try:
-        config = KVTierConfig.from_sources(_config_sources(config_file, kv_transfer_config))
+        sources = _config_sources(config_file, kv_transfer_config)
+        if node_socket:
+            sources["node_socket"] = os.path.abspath(node_socket)
+        config = KVTierConfig.from_sources(sources)
         specs = tier_specs(config)  # a tier URL its tier cannot use is the configuration's error too
     except (ConfigError, ValueError, OSError) as error:
         checks.append(Check("configuration", False, redact(error)))
@@ -150,6 +153,9 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
         checks.append(_bounded(round_trip, spec, tier_timeout_s))
     records = namespaces.read_all(tier_specs(config))
     report: dict = {"recorded": [_summary(r) for r in records]}
+    if config.node_socket:
+        check, report["node"] = node_report(config.node_socket, config.remote_timeout_s)
+        checks.append(check)
     ours = None
     if model:
         ours, check = model_namespace(model, engine_args or {}, config, records)
@@ -169,6 +175,31 @@ def run(config_file: str | None = None, kv_transfer_config: str | None = None, m
             report["blocks_error"] = redact(error)
             report["ok"], report["status"] = False, 1
     return report
+
+
+def node_report(path: str, timeout_s: float) -> tuple[Check, dict | None]:
+    """What the node server at ``path`` holds and for whom: its own counters, asked over its socket."""
+    from kvtier.tiers.node import NodeClient
+
+    began = time.monotonic()
+    try:
+        client = NodeClient(path, timeout_s)
+        try:
+            stats = client.stats()
+        finally:
+            client.close()
+    except Exception as error:  # not running, refused, or not a node server: the check says which
+        return Check("node server", False, f"{path}: {redact(error)}", time.monotonic() - began), None
+    spaces = stats["namespaces"].values()
+    used = sum(s["pages_used"] for s in spaces) * stats["page_bytes"]
+    pinned = sum(s["pages_pinned"] for s in spaces) * stats["page_bytes"]
+    disk = stats.get("on_disk")
+    detail = (f"{path}: {used >> 20} of {stats['arena_bytes'] >> 20} MiB used ({pinned >> 20} MiB pinned), "
+              f"{sum(s['entries'] for s in spaces)} entries in {len(stats['namespaces'])} namespaces, "
+              f"{sum(s['hits'] for s in spaces)} hits ({sum(s['hits_other_engine'] for s in spaces)} on another "
+              f"engine's entries), {len(stats['engines']) - 1} other engines connected; disk: "
+              + (f"{disk['entries']} entries, {disk['bytes'] >> 20} of {disk['max_bytes'] >> 20} MiB" if disk else "none"))
+    return Check("node server", True, detail, time.monotonic() - began), stats
 
 
 def cpu_cores(engine_args: dict) -> Check | None:

@@ -101,10 +101,32 @@ def _doctor(args) -> dict:
         from transformers import AutoTokenizer
         token_ids = AutoTokenizer.from_pretrained(args.model).encode(args.prompt)
     report = doctor.run(args.config, args.kv_transfer_config, args.model, args.timeout, token_ids, args.namespace,
-                        json.loads(args.engine_args) if args.engine_args else None)
+                        json.loads(args.engine_args) if args.engine_args else None, args.node_socket)
     if not args.json:
         doctor.print_report(report)
     return report
+
+
+def _bytes_flag(value: str) -> int:
+    from kvtier.common.units import parse_bytes
+    try:
+        parsed = parse_bytes(value)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if parsed <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count > 0")
+    return parsed
+
+
+def _serve(args) -> None:
+    if args.pool != "node":
+        from kvtier.cli import servers
+        return servers.serve(args.pool, args.memory)
+    from kvtier.node import server
+    try:
+        server.serve(args.socket, args.host_bytes, args.page_bytes, args.disk_dir, args.disk_bytes, args.metrics_port)
+    except (ValueError, OSError, RuntimeError) as error:  # a flag the server cannot use, a socket taken
+        raise SystemExit(f"kvtier serve node: {error}") from None
 
 
 def _demo(args) -> dict:
@@ -155,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
                        "wide, 8 KV heads), 3 prompts")
     tiers.add_argument("--json", action="store_true")
     tiers.set_defaults(run=lambda args: __import__("kvtier.cli.bench.tiers", fromlist=["x"]).main(args))
+
+    node = benches.add_parser("node", help="hits through the node cache server vs embedded kvtier, another "
+                                           "engine's entries and restarts")
+    node.add_argument("--workdir", default="kvtier-out/bench-node")
+    node.add_argument("--quick", action="store_true", help="a smaller model and fewer, shorter prompts")
+    node.add_argument("--json", action="store_true")
+    node.set_defaults(run=lambda args: __import__("kvtier.cli.bench.node", fromlist=["x"]).main(args))
 
     events = benches.add_parser("events", help="what kvtier's KV events cost the scheduler's thread per block")
     events.add_argument("--json", action="store_true")
@@ -209,12 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(run=_demo)
 
-    serve = commands.add_parser("serve", help="run a local storage pool on loopback, in the foreground")
-    serve.add_argument("pool", choices=["mooncake", "redis"])
+    serve = commands.add_parser("serve", help="run the node cache server, or a local storage pool on loopback, "
+                                              "in the foreground")
+    serve.add_argument("pool", choices=["node", "mooncake", "redis"])
     serve.add_argument("--memory", default="1GB",
                        help="what the pool may hold (Mooncake's storage node; Redis's maxmemory, least recently "
                             "used entries evicted beyond it)")
-    serve.set_defaults(run=lambda args: __import__("kvtier.cli.servers", fromlist=["x"]).serve(args.pool, args.memory))
+    serve.add_argument("--socket", default="/run/kvtier/node.sock", help="node: the Unix socket engines name in "
+                       "node_socket (created owner-only)")
+    serve.add_argument("--host-bytes", default="4GiB", type=_bytes_flag, help="node: the host pool every engine of the node shares")
+    serve.add_argument("--page-bytes", default="64KiB", type=_bytes_flag, help="node: the pool's page; an entry takes whole pages")
+    serve.add_argument("--disk-dir", default=None, help="node: the node's disk, written through (default: none)")
+    serve.add_argument("--disk-bytes", default="16GiB", type=_bytes_flag, help="node: the disk's bound, least recently used deleted")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="node: Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; default: none)")
+    serve.set_defaults(run=_serve)
 
     proxy = commands.add_parser("proxy", help="OpenAI-compatible proxy: prefill instance, then decode instance")
     proxy.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")
@@ -254,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--namespace", default=None,
                         help="the namespace record a running instance wrote (default: the one --model gives, "
                              "else the only one in the tiers' directories)")
+    doctor.add_argument("--node-socket", default=None, help="check this node server (kvtier serve node): a block's "
+                                                             "round trip, and what it holds for which engines")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(run=_doctor)
 

@@ -155,3 +155,58 @@ def serve(kind: str, memory: str = "1GB") -> None:
                 time.sleep(1)
         except KeyboardInterrupt:
             pass
+
+
+class LocalNode:
+    """A ``kvtier serve node`` process of ours; ``stop()`` (SIGKILL) and ``start()`` again keep its socket,
+    its disk and its metrics port."""
+
+    def __init__(self, socket_path: str, host_bytes: str = "64MiB", disk_dir: str | None = None,
+                 page_bytes: str = "64KiB", log_path: str | None = None, disk_bytes: str = "1GiB"):
+        self.socket_path, self.log_path = socket_path, log_path or os.devnull
+        self.metrics_port = free_port()
+        self.command = [sys.executable, "-m", "kvtier.cli", "serve", "node", "--socket", socket_path,
+                        "--host-bytes", host_bytes, "--page-bytes", page_bytes, "--disk-bytes", disk_bytes,
+                        "--metrics-port", str(self.metrics_port)] + (["--disk-dir", disk_dir] if disk_dir else [])
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"node://{self.socket_path}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, timeout: float = 30.0) -> "LocalNode":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtier serve node exited with code {self.proc.returncode}")
+            with socket.socket() as probe:
+                if os.path.exists(self.socket_path) and probe.connect_ex(("127.0.0.1", self.metrics_port)) == 0:
+                    return self
+            time.sleep(0.05)
+        raise TimeoutError(f"kvtier serve node did not listen on {self.socket_path} within {timeout} s")
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            self.proc.wait()
+            self.proc = None
+
+
+@contextlib.contextmanager
+def local_node(folder: str, host_bytes: str = "64MiB", disk: bool = True, **options):
+    """A node server with its socket (and its disk) in ``folder``."""
+    node = LocalNode(os.path.join(folder, "node.sock"), host_bytes,
+                     os.path.join(folder, "node-disk") if disk else None, **options)
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()

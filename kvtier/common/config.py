@@ -246,6 +246,12 @@ KEYS: dict[str, _Key] = {
         "null, or a mooncake://host:port?metadata=URL, redis://, rediss://, redis+cluster:// or file:///path URL",
         "The tier that instances share (third tier): a storage pool (Mooncake Store, Redis/Valkey) or a "
         "shared directory (file:///mnt/kv, optional ?max_bytes=100GiB); null for none."),
+    "node_socket": _Key(
+        None, _parse_optional_str, lambda v: v is None or os.path.isabs(v),
+        "null, or the absolute path of a node server's Unix socket",
+        "Share the node's cache: the host pool and disk of `kvtier serve node` at this socket (one for every "
+        "engine on the machine, warm across engine restarts) are the first tier below this engine's host pool, "
+        "in place of the disk at disk_dir (then remote_url, if set). Null: kvtier runs embedded."),
     "remote_timeout_s": _Key(
         2.0, _parse_float, lambda v: 0 < v <= 600, "a number of seconds in (0, 600]",
         "Longest wait for one call to the pool; a slower or failed call marks it down, and a read still in "
@@ -348,6 +354,7 @@ class KVTierConfig:
     disk_io_threads: int
     copy_threads: int
     remote_url: str | None
+    node_socket: str | None
     remote_timeout_s: float
     remote_retry_s: float
     remote_ttl_s: float
@@ -400,6 +407,10 @@ class KVTierConfig:
         raw.update(env_values)
         raw.update(extra_config)
         _reject_shorthand_beside_tiers(raw, {*loaded, *env_values, *extra_config})
+        if raw.get("node_socket") is not None and raw.get("disk_dir") is not None and \
+                "disk_dir" in {*loaded, *env_values, *extra_config}:
+            raise ConfigError("kvtier config: key 'node_socket' gives this engine the node's disk, so key 'disk_dir' "
+                              "cannot be set beside it (the node server's --disk-dir is the node's disk)")
         return cls(**{name: _validated(name, value) for name, value in raw.items()})
 
     def tier_entries(self) -> list[TierEntry]:
@@ -408,7 +419,9 @@ class KVTierConfig:
         if self.tiers is not None:
             return _tier_entries(self.tiers, self)
         entries = []
-        if self.disk_dir:
+        if self.node_socket:  # the node's disk stands in for this engine's own
+            entries.append(f"node://{quote(self.node_socket)}")
+        elif self.disk_dir:
             query = urlencode({"max_bytes": self.disk_bytes, "write": "disk" in self.store_to})
             entries.append(f"disk://{quote(os.path.abspath(self.disk_dir))}?{query}")  # a relative one: from here
         if self.remote_url:
@@ -424,7 +437,7 @@ class KVTierConfig:
         return KVTierConfig(**{name: _validated(name, value) for name, value in merged.items()})
 
 
-SHORTHAND = ("disk_dir", "remote_url", "store_to")  # the keys that ``tiers`` stands in for (disk_bytes: its default bound)
+SHORTHAND = ("disk_dir", "remote_url", "store_to", "node_socket")  # the keys that ``tiers`` stands in for (disk_bytes: its default bound)
 
 
 def _reject_shorthand_beside_tiers(raw: Mapping[str, Any], given) -> None:

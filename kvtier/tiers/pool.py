@@ -165,9 +165,12 @@ class GuardedClient:
                 lease.retired = True
             else:
                 self._lease = lease
+                back = self.num_failures > 0  # after an outage: said once, as its start was
             lease.calls += 1
             self._calls += 1
-            return lease
+        if not lease.retired and back:
+            logger.warning("kvtier: storage pool %s is back; using it again", redact(self.url))
+        return lease
 
     def connect(self) -> None:
         """Connect now rather than in the first call: a client's setup (Mooncake's registers its

@@ -30,6 +30,7 @@ SCHEMES: dict[str, str] = {
     "redis+cluster": "kvtier.tiers.redis",
     "rediss+cluster": "kvtier.tiers.redis",
     "mooncake": "kvtier.tiers.mooncake",
+    "node": "kvtier.tiers.node",
 }
 
 @functools.cache

@@ -1,0 +1,385 @@
+"""``kvtier serve node``: one host pool and one local disk for every engine on a machine.
+
+The server owns the arena (a memory file of ``host_bytes``, cut into pages, ``kvtier.node.arena``)
+and the node's disk (``kvtier.node.disk``), and listens on a Unix socket created readable and
+writable by its owner only. A client is accepted only if the kernel says it runs as the server's
+uid (``SO_PEERCRED``); only then does it receive the arena's descriptor (SCM_RIGHTS), which it
+maps. Bytes never cross the socket: clients copy into and out of the pages they reserved or
+pinned (``kvtier.node.protocol``).
+
+Each connection is served by a thread of its own, which answers it in order and sends to it alone:
+a client that stops reading stalls nobody but itself. The index is behind one lock held for
+dictionary work only; no copy, file read or send is done under it. A ``Watch`` connection's
+notices go through a bounded queue and a sender thread of its own: the server never waits on an
+engine, and one whose queue fills is dropped. A committed entry is written through to the disk
+by the server's own writers (pinned meanwhile); a read of an entry that left memory but is on
+disk reads it back into pages first.
+
+When a connection closes (the engine exited, crashed, or was killed), everything it held is let
+go: its pins, and the entries it reserved and never committed, which nobody ever saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import signal
+import socket
+import stat
+import threading
+
+from kvtier.node import protocol as p
+from kvtier.node.arena import Arena, Holder
+from kvtier.node.disk import NodeDisk
+from kvtier.node.metrics import prometheus, serve_metrics
+
+logger = logging.getLogger("kvtier.node")
+
+HELLO_TIMEOUT_S = 5.0  # a client that connects and says nothing holds a thread no longer
+SEND_TIMEOUT_S = 10.0  # an answer its client does not take within this closes that connection alone
+WATCH_QUEUE = 1024  # notices waiting for a watcher that does not read; past them it is dropped
+DISK_QUEUE = 4096  # write-throughs waiting for the disk; past them a new entry stays in memory only
+MAX_NAME = 512
+
+
+def listen(path: str) -> socket.socket:
+    """The server's socket at ``path``, created owner-only; one left by a server that died is replaced."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise RuntimeError(f"a node server already listens on {path}")
+        os.unlink(path)  # left by a server that died
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # created 0600: no moment at which another user could connect
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(128)
+    return listener
+
+
+class _Watcher:
+    def __init__(self, sock: socket.socket, prefixes: list[str]):
+        self.sock, self.prefixes = sock, tuple(prefixes)
+        self.queue: queue.Queue = queue.Queue(WATCH_QUEUE)
+        threading.Thread(target=self._send_all, daemon=True, name="kvtier-node-watch").start()
+
+    def tell(self, names: list[str]) -> bool:
+        mine = [name for name in names if name.startswith(self.prefixes)]
+        if not mine:
+            return True
+        try:
+            self.queue.put_nowait(p.Gone(mine))
+            return True
+        except queue.Full:
+            return False
+
+    def _send_all(self) -> None:
+        while True:
+            message = self.queue.get()
+            if message is None:
+                return
+            try:
+                p.send(self.sock, message)
+            except OSError:
+                return
+
+
+class _Watchers:
+    """The connections that listen for removals (``Watch``), each through its own queue and sender."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._all: set[_Watcher] = set()
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def serve(self, sock: socket.socket, prefixes: list[str]) -> None:
+        """Until the watcher goes: it only listens, and anything it says is ignored."""
+        watcher = _Watcher(sock, [str(x) for x in prefixes])
+        with self._lock:
+            self._all.add(watcher)
+        try:
+            sock.settimeout(None)
+            while p.receive(sock) is not None:
+                pass
+        except (OSError, p.BadFrame):
+            pass
+        finally:
+            with self._lock:
+                self._all.discard(watcher)
+            watcher.queue.put(None)
+
+    def tell(self, names: list[str]) -> None:
+        if not names:
+            return
+        with self._lock:
+            watchers = list(self._all)
+        for watcher in watchers:
+            if not watcher.tell(names):  # it does not read its notices: dropped, never waited for
+                watcher.sock.close()
+
+
+class NodeServer:
+    def __init__(self, socket_path: str, host_bytes: int, page_bytes: int = 64 << 10, disk_dir: str | None = None,
+                 disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None):
+        if page_bytes <= 0 or page_bytes % 64:
+            raise ValueError(f"page_bytes must be a positive multiple of 64, got {page_bytes}")
+        num_pages = host_bytes // page_bytes
+        if num_pages <= 0:
+            raise ValueError(f"host_bytes ({host_bytes}) is smaller than one page ({page_bytes})")
+        self.socket_path = os.path.abspath(socket_path)
+        self.arena_bytes = num_pages * page_bytes
+        self.fd = os.memfd_create("kvtier-node-pool", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.arena_bytes)
+        self._map = mmap.mmap(self.fd, self.arena_bytes)
+        self._memory = memoryview(self._map)
+        self.arena = Arena(num_pages, page_bytes)
+        self.lock = threading.Lock()  # the index, the watchers, the counters
+        self.disk = NodeDisk(disk_dir, disk_bytes) if disk_dir else None
+        self._disk_holder = Holder("node-disk")
+        self._disk_jobs: queue.Queue = queue.Queue(DISK_QUEUE)
+        for i in range(disk_threads if self.disk else 0):
+            threading.Thread(target=self._write_through, daemon=True, name=f"kvtier-node-disk-{i}").start()
+        self.watchers = _Watchers()
+        self._connections: dict[int, Holder] = {}  # socket fd -> holder, the engines connected now
+        self.counters = {"connections": 0, "refused_uid": 0, "refused_protocol": 0, "disk_reads": 0,
+                         "disk_skipped": 0, "released_holds": 0}
+        self._uid = os.geteuid()
+        self._listener = listen(self.socket_path)
+        self._closing = False
+        self.metrics = serve_metrics(metrics_port, lambda: prometheus(self.stats())) if metrics_port is not None else None
+
+    # --- the socket --------------------------------------------------------------
+    def serve_forever(self) -> None:
+        logger.info("kvtier node server on %s: %d MiB host pool in %d pages of %d KiB, disk %s",
+                    self.socket_path, self.arena_bytes >> 20, self.arena.num_pages, self.arena.page_bytes >> 10,
+                    f"{self.disk.root} ({self.disk.num_entries} entries)" if self.disk else "none")
+        while not self._closing:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                break
+            threading.Thread(target=self._serve_connection, args=(sock,), daemon=True,
+                             name="kvtier-node-conn").start()
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+        if self.metrics is not None:
+            self.metrics.shutdown()
+
+    # --- one connection ------------------------------------------------------------
+    def _serve_connection(self, sock: socket.socket) -> None:
+        holder = None
+        try:
+            if p.peer_uid(sock) != self._uid:
+                self._refuse(sock, "this node server serves its own user only", "refused_uid")
+                return
+            sock.settimeout(HELLO_TIMEOUT_S)
+            hello = p.receive(sock)
+            if not isinstance(hello, p.Hello) or hello.version != p.VERSION:
+                self._refuse(sock, f"expected Hello of protocol version {p.VERSION}")
+                return
+            sock.settimeout(SEND_TIMEOUT_S)  # receives block as long as the client is quiet: see _next
+            p.send_welcome(sock, p.Welcome(p.VERSION, self.arena_bytes, self.arena.page_bytes), self.fd)
+            if hello.watch is not None:
+                self.watchers.serve(sock, hello.watch)
+                return
+            holder = Holder(str(hello.engine)[:64])
+            with self.lock:
+                self.counters["connections"] += 1
+                self._connections[sock.fileno()] = holder
+            while True:
+                message = self._next(sock)
+                if message is None:
+                    return
+                answer = self._answer(holder, message)
+                if isinstance(answer, p.Refused):
+                    self._refuse(sock, answer.why)
+                    return
+                if answer is not None:
+                    p.send(sock, answer)
+        except p.BadFrame as error:
+            self._refuse(sock, f"a frame that is not of this protocol: {error}")
+        except OSError:  # the client went away, or did not take its answer in time
+            pass
+        except Exception:  # a fault of the server's own: this connection ends, the server goes on
+            logger.exception("kvtier node server: a connection failed")
+        finally:
+            if holder is not None:
+                with self.lock:
+                    self._connections.pop(sock.fileno(), None)
+                    self.counters["released_holds"] += self.arena.release(holder)
+                    evicted = self.arena.take_evicted()
+                self._gone(evicted)
+            sock.close()
+
+    def _next(self, sock: socket.socket):
+        """The client's next message, however long it stays quiet (an idle engine is no fault)."""
+        sock.settimeout(None)
+        try:
+            return p.receive(sock)
+        finally:
+            sock.settimeout(SEND_TIMEOUT_S)
+
+    def _refuse(self, sock: socket.socket, why: str, counter: str = "refused_protocol") -> None:
+        """Say why, then the caller closes the connection."""
+        with self.lock:
+            self.counters[counter] += 1
+        try:
+            sock.settimeout(1.0)
+            p.send(sock, p.Refused(why))
+        except OSError:
+            pass
+
+    def _answer(self, holder: Holder, message):
+        names = getattr(message, "names", None)
+        if names is not None and (len(names) > p.MAX_BATCH or any(len(n) > MAX_NAME for n in names)):
+            return p.Refused(f"a batch of at most {p.MAX_BATCH} names of at most {MAX_NAME} characters")
+        if isinstance(message, p.Exists):
+            with self.lock:
+                return p.Found([self.arena.holds(n) or (self.disk is not None and self.disk.has(n)) for n in names])
+        if isinstance(message, p.Reserve):
+            if len(message.sizes) != len(names) or any(s <= 0 for s in message.sizes):
+                return p.Refused("Reserve: one positive size per name")
+            return p.Reserved(self._reserve(holder, names, message.sizes))
+        if isinstance(message, p.Commit):
+            if len(message.ok) != len(names):
+                return p.Refused("Commit: one flag per name")
+            self._commit(holder, names, message.ok)
+            return None
+        if isinstance(message, p.Pin):
+            return p.Pinned(self._pin(holder, names))
+        if isinstance(message, p.Unpin):
+            with self.lock:
+                self.arena.unpin(holder, names)
+            return None
+        if isinstance(message, p.Stats):
+            return p.StatsReply(self.stats())
+        return p.Refused(f"{type(message).__name__} is not a request of this protocol")
+
+    def _reserve(self, holder: Holder, names: list[str], sizes: list[int]) -> list:
+        with self.lock:
+            answer = [[] if self.disk is not None and self.disk.has(name) and not self.arena.holds(name)
+                      else None for name in names]
+            todo = [i for i, a in enumerate(answer) if a is None]
+            pages = self.arena.reserve(holder, [names[i] for i in todo],
+                                       [sizes[i] if sizes[i] <= self.arena_bytes else 1 << 62 for i in todo])
+            for i, got in zip(todo, pages):
+                answer[i] = got
+            evicted = self.arena.take_evicted()
+        self._gone(evicted)
+        return answer
+
+    def _commit(self, holder: Holder, names: list[str], ok: list[bool]) -> None:
+        with self.lock:
+            ready = self.arena.commit(holder, names, ok)
+            if self.disk is None:
+                return
+            for name in ready:
+                if self.disk.has(name):
+                    continue
+                self.arena.pin(self._disk_holder, [name], count=False)
+                try:
+                    self._disk_jobs.put_nowait(name)
+                except queue.Full:  # the disk is behind: this entry stays in memory only
+                    self.arena.unpin(self._disk_holder, [name])
+                    self.counters["disk_skipped"] += 1
+
+    def _pin(self, holder: Holder, names: list[str]) -> list:
+        with self.lock:
+            answer = self.arena.pin(holder, names)
+            on_disk = [i for i, a in enumerate(answer) if a is None and self.disk is not None and self.disk.has(names[i])]
+        for i in on_disk:  # read back from the node's disk into pages of its own, then pinned
+            answer[i] = self._read_back(holder, names[i])
+        return answer
+
+    def _read_back(self, holder: Holder, name: str):
+        size = self.disk.size(name)
+        if size is None:
+            return None
+        with self.lock:
+            (pages,) = self.arena.reserve(holder, [name], [size])
+            evicted = self.arena.take_evicted()
+            if pages == []:  # read back by another connection meanwhile
+                return self.arena.pin(holder, [name])[0]
+        self._gone(evicted)
+        if pages is None:
+            return None
+        ok = self.disk.read_into(name, p.entry_views(self._memory, self.arena.page_bytes, size, pages))
+        with self.lock:
+            self.arena.commit(holder, [name], [ok])
+            if not ok:
+                return None
+            self.counters["disk_reads"] += 1  # counted as a disk read, not as a hit in memory
+            return self.arena.pin(holder, [name], count=False)[0]
+
+    def _gone(self, names: list[str]) -> None:
+        """Names that left memory: gone for the node unless its disk still holds them."""
+        self.watchers.tell([n for n in names if self.disk is None or not self.disk.has(n)])
+
+    # --- the disk --------------------------------------------------------------------
+    def _write_through(self) -> None:
+        while True:
+            name = self._disk_jobs.get()
+            with self.lock:
+                size, pages = self.arena.pages_of(name)  # pinned by the disk holder: still there
+            written, deleted = self.disk.write(name, p.entry_views(self._memory, self.arena.page_bytes, size, pages))
+            with self.lock:
+                self.arena.unpin(self._disk_holder, [name])
+                deleted = [n for n in deleted if not self.arena.holds(n)]
+            self._gone(deleted)
+
+    # --- what it says about itself -------------------------------------------------
+    def stats(self) -> dict:
+        with self.lock:
+            stats = self.arena.stats()
+            stats["engines"] = {}
+            for holder in self._connections.values():
+                mine = stats["engines"].setdefault(holder.engine, {"connections": 0, "pins": 0, "writing": 0})
+                mine["connections"] += 1
+                mine["pins"] += sum(holder.pins.values())
+                mine["writing"] += len(holder.writing)
+            stats.update(self.counters, watchers=len(self.watchers), socket=self.socket_path,
+                         arena_bytes=self.arena_bytes)
+            if self.disk is not None:
+                stats["on_disk"] = {"dir": str(self.disk.root), "entries": self.disk.num_entries,
+                                 "bytes": self.disk.num_bytes, "max_bytes": self.disk.max_bytes,
+                                 "evictions": self.disk.num_evictions, "write_failures": self.disk.num_write_failures}
+        return stats
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(socket_path: str, host_bytes: int, page_bytes: int, disk_dir: str | None, disk_bytes: int,
+          metrics_port: int | None) -> None:
+    """Run the node server in the foreground until SIGTERM or SIGINT (for systemd, a container)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s kvtier-node %(message)s")
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server = NodeServer(socket_path, host_bytes, page_bytes, disk_dir, disk_bytes, metrics_port=metrics_port)
+    print(f"node_socket: {server.socket_path}", flush=True)
+    if server.metrics is not None:
+        print(f"metrics: http://127.0.0.1:{server.metrics.server_address[1]}/metrics", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()

@@ -1,0 +1,232 @@
+"""The node tier: the host pool and disk that ``kvtier serve node`` keeps for every engine on a machine.
+
+``node:///run/kvtier/node.sock`` (or the ``node_socket`` key, which stands for it). It is a storage
+pool (``kvtier.tiers.pool``) whose server is on this node: existence checks go through the index's
+lookup process, reads and writes through the I/O process, each behind the pool's breaker (a server
+that is down or slow is a miss, recomputed, and is connected to again after ``remote_retry_s``).
+Bytes move by memory copies between this worker's host slots and the server's arena, which the client
+maps from the descriptor the server sends it (``kvtier.node.protocol``): a read pins the entry's pages
+for the copy, a write reserves pages, copies, then commits, so no reader ever sees half an entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Sequence
+from urllib.parse import unquote, urlparse
+
+from kvtier.node import protocol as p
+from kvtier.tiers.base import TierKind, TierSpec
+from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls
+
+logger = logging.getLogger("kvtier.pool")
+
+
+def socket_path(location: str) -> str:
+    return unquote(urlparse(location).path)
+
+
+def validate(url: str) -> None:
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"a node:// URL names a Unix socket on this machine (node:///path), not host {parsed.netloc!r}")
+    if not parsed.path.startswith("/"):
+        raise ValueError("a node:// URL needs the socket's absolute path: node:///run/kvtier/node.sock")
+    if parsed.query:
+        raise ValueError(f"a node:// URL takes no options of its own, got {parsed.query!r}")
+
+
+def connect(path: str, timeout_s: float, watch: Sequence[str] | None = None):
+    """A connection to the node server, accepted: (socket, Welcome, the arena's descriptor)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        p.send(sock, p.Hello(p.VERSION, str(os.getppid()), None if watch is None else list(watch)))
+        welcome, fd = p.receive_welcome(sock)
+        if not isinstance(welcome, p.Welcome) or fd is None:
+            if fd is not None:
+                os.close(fd)
+            why = welcome.why if isinstance(welcome, p.Refused) else "no welcome"
+            raise PoolUnavailable(f"the node server at {path} refused this client: {why}")
+        return sock, welcome, fd
+    except BaseException:
+        sock.close()
+        raise
+
+
+class NodeClient(PoolClient):
+    def __init__(self, path: str, timeout_s: float):
+        self.path = path
+        self.sock, welcome, fd = connect(path, timeout_s)
+        try:
+            self._map = mmap.mmap(fd, welcome.arena_bytes)
+        finally:
+            os.close(fd)
+        self._memory = memoryview(self._map)
+        self.page_bytes = welcome.page_bytes
+        self._lock = threading.Lock()  # one exchange at a time on the socket; copies run outside it
+
+    def _ask(self, request, answer_type):
+        with self._lock:
+            p.send(self.sock, request)
+            answer = p.receive(self.sock)
+        if not isinstance(answer, answer_type):
+            raise PoolUnavailable(f"the node server answered {type(answer).__name__}")
+        return answer
+
+    def _tell(self, message) -> None:
+        with self._lock:
+            p.send(self.sock, message)
+
+    def _pages(self, size: int, pages: Sequence[int]) -> list[memoryview]:
+        try:
+            return p.entry_views(self._memory, self.page_bytes, size, pages)
+        except p.BadFrame as error:  # a server out of step: this call fails, the pool is marked down
+            raise PoolUnavailable(str(error)) from None
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        found: list[bool] = []
+        for start in range(0, len(names), p.MAX_BATCH):
+            found += self._ask(p.Exists(list(names[start:start + p.MAX_BATCH])), p.Found).found
+        return found
+
+    def put(self, names, headers, payloads) -> list[bool]:
+        stored: list[bool] = []
+        for start in range(0, len(names), p.MAX_BATCH):
+            end = start + p.MAX_BATCH
+            stored += self._put(names[start:end], headers[start:end], payloads[start:end])
+        return stored
+
+    def _put(self, names, headers, payloads) -> list[bool]:
+        sizes = [len(h) + len(b) for h, b in zip(headers, payloads)]
+        reserved = self._ask(p.Reserve(list(names), sizes), p.Reserved).pages
+        mine = [i for i, pages in enumerate(reserved) if pages]
+        ok = []
+        try:
+            for i in mine:
+                _copy((headers[i], payloads[i]), self._pages(sizes[i], reserved[i]))
+                ok.append(True)
+        finally:  # a copy that failed half-way is let go unseen (so is all of it, should this connection break)
+            ok += [False] * (len(mine) - len(ok))
+            self._tell(p.Commit([names[i] for i in mine], ok))
+        # Held already ([]) counts as stored; None: not taken now (no room, or another engine writes it).
+        return [pages is not None and (not pages or ok[mine.index(i)]) for i, pages in enumerate(reserved)]
+
+    def get_into(self, names, headers, payloads) -> list[bool | None]:
+        found: list[bool | None] = []
+        for start in range(0, len(names), p.MAX_BATCH):
+            end = start + p.MAX_BATCH
+            found += self._get(names[start:end], headers[start:end], payloads[start:end])
+        return found
+
+    def _get(self, names, headers, payloads) -> list[bool | None]:
+        entries = self._ask(p.Pin(list(names)), p.Pinned).entries
+        pinned = [name for name, entry in zip(names, entries) if entry is not None]
+        found: list[bool | None] = []
+        try:
+            for header, payload, entry in zip(headers, payloads, entries):
+                if entry is None:
+                    found.append(None)
+                elif entry[0] != len(header) + len(payload):
+                    found.append(False)  # another size: not this layout's entry
+                else:
+                    _copy(self._pages(*entry), (header, payload))
+                    found.append(True)
+        finally:
+            if pinned:
+                self._tell(p.Unpin(pinned))  # after the copies: the pages are the server's to reuse again
+        return found
+
+    def stats(self) -> dict:
+        return self._ask(p.Stats(), p.StatsReply).stats
+
+    def abort(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # a call blocked in a receive fails at once
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self._memory.release()
+        self._map.close()
+
+
+def _copy(sources, targets) -> None:
+    """Copy the concatenation of ``sources`` into the concatenation of ``targets`` (as long): an entry's
+    header and payload into its pages, or its pages into a header and a payload."""
+    sources = [_bytes(s) for s in sources]
+    s, offset = 0, 0
+    for target in map(_bytes, targets):
+        done = 0
+        while done < target.nbytes:
+            source = sources[s]
+            n = min(target.nbytes - done, source.nbytes - offset)
+            target[done:done + n] = source[offset:offset + n]
+            done, offset = done + n, offset + n
+            if offset == source.nbytes:
+                s, offset = s + 1, 0
+
+
+def _bytes(buffer) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def watch_gone(spec: TierSpec, prefixes, tell) -> None:
+    """Hear what the node server evicts, as it evicts it (a ``Watch`` connection), on a thread of its own;
+    a lost connection is made again every ``retry_s``."""
+    def run():
+        failing = False
+        while True:
+            sock = None
+            try:
+                sock, _, fd = connect(socket_path(spec.location), spec.timeout_s, list(prefixes))
+                os.close(fd)  # a watcher copies nothing
+                sock.settimeout(None)
+                failing = False
+                while (message := p.receive(sock)) is not None:
+                    if isinstance(message, p.Gone):
+                        tell(message.names)
+            except Exception as error:  # the server went away: heard again once it is back
+                if not failing:
+                    logger.warning("kvtier: lost the node server's eviction notices (%s); trying again every %.0f s",
+                                   error, spec.retry_s)
+                failing = True
+            finally:
+                if sock is not None:
+                    sock.close()
+            time.sleep(spec.retry_s)
+
+    threading.Thread(target=run, daemon=True, name="kvtier-node-gone").start()
+
+
+def _connector(spec: TierSpec):
+    return lambda: NodeClient(socket_path(spec.location), spec.timeout_s)
+
+
+held_from_outside, write_record, read_records, release_outside = outside_calls(_connector)
+
+
+def make_index(spec: TierSpec, slot_bytes: int, rank_fingerprints: Sequence[bytes]):
+    return make_pool_index(spec, rank_fingerprints)
+
+
+def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> PoolStore:
+    return PoolStore(spec, rank_fingerprint, slot_bytes, _connector(spec), watch=watch_gone)
+
+
+def _address(spec: TierSpec) -> str:
+    return f"{socket.gethostname()}:{socket_path(spec.location)}"  # one node's server, the same for its engines
+
+
+KIND = TierKind("node", make_index, make_store, shared=True, medium="CPU", address=_address, validate=validate,
+                notices=lambda spec: "; its evictions are told as they happen",
+                write_record=write_record, read_records=read_records, held_from_outside=held_from_outside,
+                release_outside=release_outside)

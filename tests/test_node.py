@@ -1,0 +1,324 @@
+"""The node cache server (``kvtier serve node``) as a real process, reached as the ``node://`` tier."""
+
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from kvtier.cli.servers import local_node
+from kvtier.common.config import ConfigError, KVTierConfig
+from kvtier.common.keys import Namespace
+from kvtier.node import protocol as p
+from kvtier.node.arena import Arena, Holder
+from kvtier.scheduler.manager import TierManager
+from kvtier.tiers.node import NodeClient
+from kvtier.worker import TierWorker
+from tests.test_remote import Instance, keys_of
+
+NB, BS = 32, 4
+NAMESPACE = Namespace("node-test", "bfloat16", "kv", (1, 8), 2, BS)
+
+
+class Engine(Instance):
+    """One engine's kvtier halves on a fresh KV cache, with its host pool and the node."""
+
+    def __init__(self, node, namespace=NAMESPACE, **config):
+        self.tensors = [torch.randint(-5000, 5000, (NB, 1, BS, 16), dtype=torch.int16).view(torch.bfloat16)
+                        for _ in range(2)]
+        self.config = KVTierConfig.from_sources({"host_bytes": 16 * 2 * BS * 16 * 2, "node_socket": node.socket_path,
+                                                 "remote_timeout_s": 1.0, "remote_retry_s": 1.0, **config}, environ={})
+        self.worker = TierWorker(self.config, self.tensors, NB, BS, namespace)
+        self.manager = TierManager(self.config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint])
+
+    def store(self, ids, blocks):
+        return self.run(self.manager.plan_store("s", keys_of(ids), blocks), self.worker.submit_store)
+
+
+def stats(node) -> dict:
+    client = NodeClient(node.socket_path, 5.0)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+def metrics(node) -> str:
+    return urllib.request.urlopen(node.metrics_url, timeout=5).read().decode()
+
+
+@pytest.fixture
+def node(tmp_path):
+    with local_node(str(tmp_path), log_path=str(tmp_path / "node.log")) as server:
+        yield server
+
+
+def test_what_one_engine_stores_is_a_byte_exact_hit_for_another_and_never_for_another_namespace(node):
+    a, b = Engine(node), Engine(node)
+    blocks = [3, 4, 9]
+    assert a.store([1, 2, 3], blocks).success
+    assert b.lookup(keys_of([1, 2, 3, 4])) == 3
+    job = b.manager.plan_load("r", keys_of([1, 2, 3]), [20, 21, 22])
+    assert job.fill_from == ["node"] * 3
+    assert b.run(job, b.worker.submit_load).success
+    for x, y in zip(a.tensors, b.tensors):
+        assert torch.equal(x[blocks].view(torch.int16), y[[20, 21, 22]].view(torch.int16))
+    other = Engine(node, Namespace("another-model", "bfloat16", "kv", (1, 8), 2, BS))
+    assert other.lookup(keys_of([1, 2, 3])) == 0  # the same keys of another namespace: nothing shared
+    state = stats(node)
+    (space,) = state["namespaces"].values()
+    assert space["entries"] == 3 and space["hits"] == 3 and space["pages_pinned"] == 0
+    assert 'kvtier_node_entries{namespace="' in metrics(node)
+    for engine in (a, b, other):
+        engine.close()
+
+
+def test_three_engines_sharing_a_system_prompt_hold_it_once_in_memory_and_once_on_disk(node):
+    engines = [Engine(node) for _ in range(3)]
+    for engine in engines:  # each stores the same prompt's blocks, as each would compute it once
+        assert engine.store(range(10, 16), list(range(6))).success
+    deadline = time.monotonic() + 10
+    while (state := stats(node))["on_disk"]["entries"] < 6:  # written through by the server's own writers
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (space,) = state["namespaces"].values()
+    assert space["entries"] == 6 and space["stores"] == 6  # the second and third stores found them held
+    assert state["on_disk"]["entries"] == 6
+    disk_files = [f for _, _, files in os.walk(os.path.dirname(node.socket_path) + "/node-disk") for f in files]
+    assert len(disk_files) == 6
+    for engine in engines:
+        engine.close()
+
+
+def test_arena_pins_writes_and_release_follow_their_holders():
+    arena = Arena(8, 100)
+    a, b = Holder("a"), Holder("b")
+    assert arena.reserve(a, ["x", "y"], [250, 100]) == [[0, 1, 2], [3]]
+    assert arena.pin(b, ["x"]) == [None]  # being written: nobody sees it
+    assert arena.reserve(b, ["x"], [250]) == [None]  # nor writes it twice
+    assert arena.commit(a, ["x", "y"], [True, False]) == ["x"]
+    assert arena.reserve(b, ["x"], [250]) == [[]]  # held: nothing to write
+    assert arena.pin(b, ["x"]) == [(250, [0, 1, 2])]
+    assert arena.reserve(a, ["z"], [600]) == [None]  # x is pinned: 5 pages free, 6 needed
+    assert arena.release(b) == 1
+    assert arena.reserve(a, ["z"], [600]) == [[0, 1, 2, 3, 4, 5]]  # x evicted once unpinned
+    assert arena.take_evicted() == ["x"] and not arena.holds("x")
+    assert arena.release(a) == 1 and arena.num_pinned_pages == 0 and not arena.holds("z")
+    assert arena.stats()["free_pages"] == 8
+
+
+_KILLED_CLIENT = textwrap.dedent("""
+    import os, signal, sys
+    from kvtier.node import protocol as p
+    from kvtier.tiers.node import NodeClient
+    client = NodeClient(sys.argv[1], 5.0)
+    if sys.argv[2] == "store":  # reserve, fill half, die before the commit
+        (pages,) = client._ask(p.Reserve(["kvtier/aa/01"], [3 * client.page_bytes]), p.Reserved).pages
+        client._pages(3 * client.page_bytes, pages)[0][:] = b"\\x07" * client.page_bytes
+    else:  # pin and die before the copy ends
+        assert client._ask(p.Pin(["kvtier/aa/02"]), p.Pinned).entries[0] is not None
+    print("ready", flush=True)
+    signal.pause()
+""")
+
+
+@pytest.mark.parametrize("during", ["store", "load"])
+def test_a_client_killed_mid_store_or_mid_load_leaves_no_pin_and_no_half_entry(node, during):
+    writer = NodeClient(node.socket_path, 5.0)
+    payload = memoryview(bytearray(os.urandom(2 * writer.page_bytes)))
+    assert writer.put(["kvtier/aa/02"], [memoryview(bytearray(64))], [payload]) == [True]
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, node.socket_path, during], stdout=subprocess.PIPE)
+    assert child.stdout.readline().strip() == b"ready"
+    # The 3 pages reserved (the entry of 64 + 2 pages' bytes takes 3 too), or those of the pinned entry.
+    assert stats(node)["namespaces"]["aa"]["pages_pinned"] == 3
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 5
+    while stats(node)["namespaces"]["aa"]["pages_pinned"]:
+        assert time.monotonic() < deadline, "the killed client's pages stayed held"
+        time.sleep(0.02)
+    assert writer.exists(["kvtier/aa/01", "kvtier/aa/02"]) == [False, True]  # no half entry, the other intact
+    head, body = memoryview(bytearray(64)), memoryview(bytearray(2 * writer.page_bytes))
+    assert writer.get_into(["kvtier/aa/02"], [head], [body]) == [True] and bytes(body) == bytes(payload)
+    assert stats(node)["released_holds"] == 1
+    writer.close()
+
+
+@pytest.fixture
+def open_folder():
+    """A folder any user can pass through (pytest's own are its owner's only)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="kvtier-node-")
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_only_the_owner_gets_in(open_folder):
+    with local_node(open_folder) as node:
+        assert stat.S_IMODE(os.stat(node.socket_path).st_mode) == 0o600
+        os.chmod(node.socket_path, 0o666)  # past the file's own guard: the server's check still refuses
+        assert _connect_as_another_user(node) == ["Refused", False]  # and no descriptor came with the answer
+        assert stats(node)["refused_uid"] == 1
+
+
+def _connect_as_another_user(node):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another user
+        os.close(read)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            sock.connect(node.socket_path)
+            p.send(sock, p.Hello(p.VERSION, "intruder"))
+            answer, fd = p.receive_welcome(sock)
+            os.write(write, json.dumps([type(answer).__name__, fd is not None]).encode())
+        except BaseException as error:
+            os.write(write, json.dumps([repr(error), False]).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    return json.loads(os.read(read, 1000))
+
+
+def test_a_thousand_malformed_messages_leave_the_server_up(node):
+    rng = random.Random(7)
+    frames = [b"\xff\xff\xff\xff", b"\x05\x00\x00\x00hello", p.encode(p.Welcome(1, 1, 1)),
+              p.encode(p.Hello(99, "old")), p.encode(p.Pin(["x"]))]
+    good_hello = p.encode(p.Hello(p.VERSION, "fuzz"))
+    after_hello = [p.encode(p.Reserve(["a", "b"], [1])), p.encode(p.Commit(["a"], [])),
+                   p.encode(p.Reserve(["a"], [-5])), p.encode(p.Exists(["n"] * (p.MAX_BATCH + 1))),
+                   p.encode(p.Found([True])), p.encode(p.Pin(["x" * 600]))]
+    for i in range(1000):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(node.socket_path)
+            kind = i % 3
+            if kind == 0:
+                sock.sendall(rng.choice(frames) if rng.random() < 0.5 else os.urandom(rng.randrange(1, 200)))
+            else:
+                sock.sendall(good_hello)
+                os.close(p.receive_welcome(sock)[1])
+                sock.sendall(rng.choice(after_hello) if kind == 1 else
+                             p.encode(p.Exists(["ok"]))[:4] + os.urandom(rng.randrange(1, 100)))
+            sock.shutdown(socket.SHUT_WR)  # a frame cut short ends here, as a client that died would leave it
+            try:
+                sock.recv(100)  # Refused, or the close
+            except OSError:
+                pass
+    assert node.proc.poll() is None
+    client = NodeClient(node.socket_path, 5.0)
+    assert client.put(["kvtier/bb/01"], [memoryview(bytearray(64))], [memoryview(bytearray(100))]) == [True]
+    state = client.stats()
+    assert state["refused_protocol"] >= 500  # told why, then closed (a frame cut short: closed)
+    assert list(state["engines"]) == [str(os.getppid())]  # this client alone: no fuzzing connection lingers
+    client.close()
+
+
+def test_a_client_that_stops_reading_stalls_no_other(node):
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.connect(node.socket_path)
+    p.send(stuck, p.Hello(p.VERSION, "stuck"))
+    p.receive_welcome(stuck)
+    stuck.settimeout(2.0)
+    request = p.encode(p.Exists(["kvtier/cc/" + "0" * 400] * 1000))
+    with pytest.raises(TimeoutError):
+        for _ in range(2000):  # asks and never reads an answer: its socket fills both ways
+            stuck.sendall(request)
+    began = time.monotonic()
+    other = NodeClient(node.socket_path, 5.0)
+    assert other.put(["kvtier/cc/01"], [memoryview(bytearray(64))], [memoryview(bytearray(10))]) == [True]
+    assert other.exists(["kvtier/cc/01"]) == [True]
+    assert time.monotonic() - began < 5
+    other.close()
+    stuck.close()
+
+
+def test_engines_serve_through_a_node_server_outage_and_use_it_again_once_it_is_back(node, capfd):
+    a = Engine(node)
+    assert a.store([1], [1]).success
+    if True:  # the I/O process says it on its stderr
+        node.stop()
+        began = time.monotonic()
+        assert a.lookup(keys_of([2])) == 0  # a miss, within the timeout: never a wait
+        report = a.store([5], [5])
+        assert report.failed_writes == {"node": keys_of([5])}  # counted, recomputed later, never raised
+        assert time.monotonic() - began < 5
+        node.start()
+        time.sleep(1.1)  # remote_retry_s: then kvtier connects again
+        assert a.store([6], [6]).success
+    b = Engine(node)
+    assert b.lookup(keys_of([6])) == 1
+    lines = [line for line in capfd.readouterr().err.splitlines() if "node.sock" in line]
+    assert any("failed" in line for line in lines) and any("is back" in line for line in lines)
+    a.close()
+    b.close()
+
+
+def test_a_node_server_restarted_reads_its_disk_back_into_memory(node):
+    a = Engine(node)
+    assert a.store(range(20, 24), [0, 1, 2, 3]).success
+    deadline = time.monotonic() + 10
+    while stats(node)["on_disk"]["entries"] < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    a.close()
+    node.stop()
+    node.start()  # memory is gone with the process, the node's disk is not
+    b = Engine(node)
+    assert b.lookup(keys_of(range(20, 24))) == 4
+    job = b.manager.plan_load("r", keys_of(range(20, 24)), [10, 11, 12, 13])
+    assert b.run(job, b.worker.submit_load).success
+    for x, y in zip(a.tensors, b.tensors):
+        assert torch.equal(x[[0, 1, 2, 3]].view(torch.int16), y[[10, 11, 12, 13]].view(torch.int16))
+    assert stats(node)["disk_reads"] == 4
+    b.close()
+
+
+def test_node_socket_is_validated_and_stands_for_the_node_tier(tmp_path):
+    config = KVTierConfig.from_sources({"node_socket": "/run/kvtier/node.sock"}, environ={})
+    assert [entry.url for entry in config.tier_entries()] == ["node:///run/kvtier/node.sock"]
+    with pytest.raises(ConfigError, match="'node_socket'"):
+        KVTierConfig.from_sources({"node_socket": "relative.sock"}, environ={})
+    with pytest.raises(ConfigError, match="'disk_dir'"):
+        KVTierConfig.from_sources({"node_socket": "/run/kvtier/node.sock", "disk_dir": str(tmp_path)}, environ={})
+    alone = KVTierConfig.from_sources({"node_socket": "/n.sock", "disk_dir": None}, environ={})  # no disk: allowed
+    assert [entry.url for entry in alone.tier_entries()] == ["node:///n.sock"]
+    with pytest.raises(ConfigError, match="'node_socket'"):
+        KVTierConfig.from_sources({"node_socket": "/a.sock", "tiers": ["disk:///x"]}, environ={})
+    with pytest.raises(ConfigError, match="node:// URL"):
+        from kvtier.tiers.registry import tier_specs
+        tier_specs(KVTierConfig.from_sources({"tiers": ["node://host/x.sock"]}, environ={}))
+
+
+def test_what_the_node_evicts_from_memory_without_a_disk_its_engines_hear_at_once(tmp_path):
+    with local_node(str(tmp_path), host_bytes="1MiB", disk=False) as node:  # 16 pages: 16 entries
+        engine = Engine(node)
+        index = engine.manager.tiers[0]
+        engine.lookup(keys_of([999]))  # the index's lookup process is up, and listens for removals
+        for start in (0, 12):
+            assert engine.store(range(start, start + 12), list(range(start, start + 12))).success
+        deadline = time.monotonic() + 10
+        while True:
+            index.absorb_news()
+            if index.num_told_gone >= 8:
+                break
+            assert time.monotonic() < deadline, "no eviction was told"
+            time.sleep(0.05)
+        state = stats(node)
+        assert sum(s["evictions"] for s in state["namespaces"].values()) == 8 == index.num_told_gone
+        engine.close()
