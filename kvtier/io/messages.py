@@ -96,7 +96,7 @@ def send(sock: socket.socket, message, encoder: msgspec.msgpack.Encoder = _encod
     sock.sendall(_LENGTH.pack(len(body)) + body)
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+def recv_exactly(sock: socket.socket, size: int) -> bytes | None:
     chunks, left = [], size
     while left:
         chunk = sock.recv(left)
@@ -133,8 +133,8 @@ class FrameReader:
 def receive(sock: socket.socket, decoder: msgspec.msgpack.Decoder = _decoder):
     """The next message, or None when the other side has gone (EOF). Another channel's frames are
     read with its own ``decoder`` (msgspec's ``DecodeError`` where one does not decode)."""
-    head = _recv_exactly(sock, _LENGTH.size)
+    head = recv_exactly(sock, _LENGTH.size)
     if head is None:
         return None
-    body = _recv_exactly(sock, _LENGTH.unpack(head)[0])
+    body = recv_exactly(sock, _LENGTH.unpack(head)[0])
     return None if body is None else decoder.decode(body)

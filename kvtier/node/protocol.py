@@ -16,10 +16,13 @@ protocol or one that breaks a bound gets ``Refused`` and a closed connection.
 from __future__ import annotations
 
 import array
+import os
 import socket
 import struct
 
 import msgspec
+
+from kvtier.io.messages import recv_exactly
 
 VERSION = 1
 MAX_FRAME = 8 << 20  # names and page lists of one batch; a longer length is no frame of ours
@@ -106,30 +109,19 @@ def send(sock: socket.socket, message) -> None:
     sock.sendall(encode(message))
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
 class BadFrame(ValueError):
     """A frame that is no message of this protocol."""
 
 
 def receive(sock: socket.socket):
     """The next message; None when the other side has gone; ``BadFrame`` for one that does not decode."""
-    head = _recv_exactly(sock, _LENGTH.size)
+    head = recv_exactly(sock, _LENGTH.size)
     if head is None:
         return None
     length = _LENGTH.unpack(head)[0]
     if length > MAX_FRAME:
         raise BadFrame(f"a frame of {length} bytes (at most {MAX_FRAME})")
-    body = _recv_exactly(sock, length)
+    body = recv_exactly(sock, length)
     if body is None:
         return None
     try:
@@ -167,17 +159,16 @@ def receive_welcome(sock: socket.socket) -> tuple[object, int | None]:
         return None, None
     fd = fds[0] if fds else None
     try:
-        rest = _recv_exactly(sock, _LENGTH.size - 1)
+        rest = recv_exactly(sock, _LENGTH.size - 1)
         if rest is None:
             return None, fd
         length = _LENGTH.unpack(first + rest)[0]
         if length > MAX_FRAME:
             raise BadFrame(f"a frame of {length} bytes")
-        body = _recv_exactly(sock, length)
+        body = recv_exactly(sock, length)
         return (None if body is None else _decoder.decode(body)), fd
     except BaseException:
         if fd is not None:
-            import os
             os.close(fd)
         raise
 
