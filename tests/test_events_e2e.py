@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.cli.servers import free_port, local_mooncake, local_redis
+from kvtier.cli.servers import free_port, local_mooncake, local_node, local_redis
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -31,9 +31,9 @@ def model(workdir):
 
 
 class Subscriber:
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, topic: bytes = b"kv"):
         self.socket = zmq.Context.instance().socket(zmq.SUB)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic)
         self.socket.connect(endpoint)
         self.batches, self._stop = [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -170,3 +170,33 @@ def test_a_restart_announces_what_the_disk_tier_already_holds(workdir, model, tm
     announced = [e for e in second_run.events() if type(e).__name__ == "BlockStored" and e.ownership == "kvtier:disk"]
     assert len(stored_first) == 12 and {e.block_hashes[0] for e in announced} == stored_first
     assert all(e.medium == "STORAGE" and e.locality == "LOCAL" and len(e.token_ids) == BLOCK for e in announced)
+
+
+def test_a_node_server_announces_its_blocks_once_for_all_its_engines(workdir, model, tmp_path):
+    """Engines A (vLLM's one-process layout) and B (the default layout) serve one prompt through a
+    node server: the node publishes each full block once (CPU, REMOTE, owned by the node, under vLLM's
+    hashes and tokens), and neither engine publishes any of the node's blocks itself."""
+    ports = {name: free_port() for name in ("a", "b", "node")}
+    subscribers = {name: Subscriber(f"tcp://127.0.0.1:{port}", b"" if name == "node" else b"kv")
+                   for name, port in ports.items()}
+    time.sleep(0.5)
+    with local_node(str(tmp_path), events_endpoint=f"tcp://127.0.0.1:{ports['node']}") as node:
+        for name, layout in (("a", "in_process"), ("b", "multiprocess")):
+            apps.run_app(workdir, f"node-events-{name}", {
+                "model": model, "connector": "kvtier", "layout": layout, "warmup": False,
+                "extra": {"node_socket": node.socket_path, "host_bytes": "16MiB"},
+                "engine": {**ENGINE, "kv_events_endpoint": f"tcp://*:{ports[name]}"},
+                "phases": [{"prompts": [PROMPTS[0]], "max_tokens": 1, "idle_s": 1}]})
+        time.sleep(1.0)
+    events = {name: subscriber.events() for name, subscriber in subscribers.items()}
+    device = {h: (e, i) for e in events["a"] if type(e).__name__ == "BlockStored" and e.medium not in ("CPU", "STORAGE")
+              for i, h in enumerate(e.block_hashes)}
+    announced = [e for e in events["node"] if type(e).__name__ == "BlockStored"]
+    assert len(announced) == 12 and {e.block_hashes[0] for e in announced} <= set(device)  # each once
+    for event in announced:
+        own, i = device[event.block_hashes[0]]
+        assert event.token_ids == own.token_ids[i * BLOCK:(i + 1) * BLOCK] and event.block_size == BLOCK
+        assert (event.medium, event.locality) == ("CPU", "REMOTE") and event.ownership.startswith("kvtier:node:")
+    for name in ("a", "b"):
+        assert not [e for e in events[name] if (getattr(e, "ownership", None) or "").startswith("kvtier:node")]
+        assert [e for e in events[name] if getattr(e, "ownership", None) == "kvtier:host"]  # its own are told

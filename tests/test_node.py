@@ -32,13 +32,14 @@ NAMESPACE = Namespace("node-test", "bfloat16", "kv", (1, 8), 2, BS)
 class Engine(Instance):
     """One engine's kvtier halves on a fresh KV cache, with its host pool and the node."""
 
-    def __init__(self, node, namespace=NAMESPACE, **config):
+    def __init__(self, node, namespace=NAMESPACE, track_holdings=False, **config):
         self.tensors = [torch.randint(-5000, 5000, (NB, 1, BS, 16), dtype=torch.int16).view(torch.bfloat16)
                         for _ in range(2)]
         self.config = KVTierConfig.from_sources({"host_bytes": 16 * 2 * BS * 16 * 2, "node_socket": node.socket_path,
                                                  "remote_timeout_s": 1.0, "remote_retry_s": 1.0, **config}, environ={})
         self.worker = TierWorker(self.config, self.tensors, NB, BS, namespace)
-        self.manager = TierManager(self.config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint])
+        self.manager = TierManager(self.config, self.worker.layout.slot_bytes, [self.worker.rank_fingerprint],
+                                   track_holdings=track_holdings)
 
     def store(self, ids, blocks):
         return self.run(self.manager.plan_store("s", keys_of(ids), blocks), self.worker.submit_store)
@@ -320,4 +321,109 @@ def test_what_the_node_evicts_from_memory_without_a_disk_its_engines_hear_at_onc
             time.sleep(0.05)
         state = stats(node)
         assert sum(s["evictions"] for s in state["namespaces"].values()) == 8 == index.num_told_gone
+        engine.close()
+
+
+class Published:
+    """A ZMQ subscriber to the node's KV events, decoded by vLLM's own ``KVEventBatch``."""
+
+    def __init__(self, endpoint: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        time.sleep(0.5)  # a ZMQ subscriber hears only what is published once its subscription has arrived
+
+    def take(self, kind: str, count: int, timeout: float = 15.0) -> list:
+        """The events of ``kind`` published until ``count`` of them came, or ``timeout``."""
+        seen, deadline = [], time.monotonic() + timeout
+        while len(seen) < count and self.socket.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            _, seq, payload = self.socket.recv_multipart()
+            seen += [e for e in self.decoder.decode(payload).events if type(e).__name__ == kind]
+        return seen
+
+
+def announced_store(engine, metas: dict) -> list:
+    """``engine`` stores ``metas``' blocks (keys 1, 2, 3) with vLLM's KV events on; what it publishes itself."""
+    from kvtier.integrations.vllm.events import KVEvents
+
+    events = KVEvents.of(engine.manager)
+    for key, meta in metas.items():
+        events.held.remember(key, meta)
+    assert engine.store([1, 2, 3], [3, 4, 5]).success
+    own = events.take(engine.manager.ledger, BS)
+    events.close()  # what it handed over is sent first
+    return own
+
+
+def block_metas() -> dict:
+    from kvtier.integrations.vllm.events import BlockMeta
+
+    return {key: BlockMeta(os.urandom(32), None, tuple(range(i * BS, (i + 1) * BS)), None, None, None)
+            for i, key in enumerate(keys_of([1, 2, 3]))}
+
+
+def test_the_node_publishes_each_entrys_kv_events_once_for_all_its_engines(tmp_path):
+    """Three engines store one prompt and hand the node their events: the node publishes each block's
+    storage once (vLLM's format and framing), the engines publish none for the node, and each
+    removal goes out when the node evicts the block. Events that do not decode are never published."""
+    from kvtier.cli.servers import free_port
+    from kvtier.tiers.node import connect
+    from kvtier.tiers.pool import pool_key
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with local_node(str(tmp_path), host_bytes="1MiB", disk=False, events_endpoint=endpoint) as node:  # 16 entries
+        published = Published(endpoint)
+        engines = [Engine(node, track_holdings=True) for _ in range(3)]
+        metas = block_metas()
+        assert engines[0].store([1], [3]).success
+        sock, _, fd = connect(node.socket_path, 5.0)  # events that are not one msgpack value each, or of a block not held
+        os.close(fd)
+        name = pool_key(engines[0].worker.rank_fingerprint, keys_of([1])[0])
+        p.send(sock, p.Announce([name, name + "0"], [b"\xc1", b"\x01"], [b"\x01\x02", b"\x01"]))
+        p.send(sock, p.Stats())  # answered once the Announce before it was taken
+        assert isinstance(p.receive(sock), p.StatsReply)
+        sock.close()
+        for engine in engines:
+            own = announced_store(engine, metas)
+            assert own and all(e.medium == "CPU" and e.ownership == "kvtier:host" for e in own), own
+        stored = published.take("BlockStored", 4, timeout=5.0)  # a fourth would be a second copy: none comes
+        assert sorted(e.block_hashes[0] for e in stored) == sorted(m.block_hash for m in metas.values())
+        assert all(e.ownership.startswith("kvtier:node:") and e.token_ids == list(metas[k].token_ids)
+                   for k in metas for e in stored if e.block_hashes[0] == metas[k].block_hash)
+        assert stats(node)["events"]["announced"] == 3
+        for start in (10, 22):  # 24 other entries: the first three are evicted
+            assert engines[0].store(range(start, start + 12), list(range(12))).success
+        removed = published.take("BlockRemoved", 3)
+        assert sorted(e.block_hashes[0] for e in removed) == sorted(m.block_hash for m in metas.values())
+        state = stats(node)
+        assert state["events"]["events_published"] == 6 and state["events"]["announced"] == 0
+        assert "kvtier_node_events_published_total 6" in metrics(node)
+
+
+def test_a_restarted_node_server_announces_what_its_disk_still_holds(tmp_path):
+    """A node server with a disk is killed after its entries were announced; started again, it
+    announces them from its journal before any engine stores anything."""
+    from kvtier.cli.servers import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with local_node(str(tmp_path), events_endpoint=endpoint) as node:
+        published = Published(endpoint)
+        engine, metas = Engine(node, track_holdings=True), block_metas()
+        announced_store(engine, metas)
+        assert len(published.take("BlockStored", 3)) == 3
+        journal = tmp_path / "node-disk" / "events.journal"
+        deadline = time.monotonic() + 10
+        while not (stats(node)["on_disk"]["entries"] == 3 and journal.exists() and journal.stat().st_size > 0):
+            assert time.monotonic() < deadline, "the disk or the journal did not catch up"
+            time.sleep(0.05)
+        node.stop()
+        node.start()
+        again = published.take("BlockStored", 4, timeout=10.0)
+        assert sorted(e.block_hashes[0] for e in again) == sorted(m.block_hash for m in metas.values())
+        assert stats(node)["events"]["announced"] == 3
         engine.close()

@@ -108,13 +108,20 @@ def test_engine_b_loads_what_engine_a_stored_from_the_nodes_memory_and_a_restart
         assert b["phases"][0]["kvtier_delta"]["hit_tokens_node"] == full
 
 
-def test_an_engine_killed_while_it_stores_and_loads_leaves_the_other_serving(workdir, model, reference, tmp_path):
-    """A serves a burst (stores, and loads of its own blocks from the node) and is killed with SIGKILL
-    while the node holds its pins or reserved pages; the node lets them go, and B serves the same
-    prompts with outputs equal to no connector's, loading whatever A stored whole."""
+@pytest.mark.parametrize("during", ["store", "load"])
+def test_an_engine_killed_while_it_stores_or_loads_leaves_the_other_serving(workdir, model, reference, tmp_path,
+                                                                             during):
+    """A serves bursts (new prompts, stored; or the same again, loaded from the node, its own host
+    pool being small) and is killed with SIGKILL while the node holds pages it reserved and has not
+    committed (``store``) or pages it pinned to read (``load``); the node lets them go, and B serves the
+    same prompts with outputs equal to no connector's, loading whatever A stored whole."""
     with local_node(str(tmp_path), host_bytes="64MiB", log_path=str(tmp_path / "node.log")) as node:
         spec_path, out_path = tmp_path / "killed.spec.json", tmp_path / "killed.out.json"
-        phases = [{"prompts": BURST, "mode": "concurrent"}] * 12  # killed at its first hold: the rest is spare
+        # Killed at its first hold of the kind; the rest is spare. Stores: new prompts in every phase after
+        # the first; loads: the same prompts again, read back from the node (the engine's host pool is small).
+        phases = [{"prompts": BURST if k == 0 or during == "load" else
+                   [prompt(1000 * k + i, 20 * BLOCK + 7 * i) for i in range(len(BURST))], "mode": "concurrent"}
+                  for k in range(40)]
         spec_path.write_text(json.dumps(spec(model, node, "multiprocess", phases, host_bytes="2MiB")))
         engine = subprocess.Popen([sys.executable, "-m", "kvtier.cli.demo.runner", str(spec_path), str(out_path)],
                                   cwd=apps.ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
@@ -122,9 +129,9 @@ def test_an_engine_killed_while_it_stores_and_loads_leaves_the_other_serving(wor
         deadline = time.monotonic() + 300
         held = None
         while held is None:
-            assert engine.poll() is None and time.monotonic() < deadline, "the engine ended before it held anything"
+            assert engine.poll() is None and time.monotonic() < deadline, f"the engine ended before a {during}"
             state = stats(node)
-            held = next((s for e, s in state["engines"].items() if s["pins"] or s["writing"]), None)
+            held = next((s for e, s in state["engines"].items() if s["writing" if during == "store" else "pins"]), None)
             time.sleep(0.002)
         os.killpg(engine.pid, signal.SIGKILL)
         engine.wait()

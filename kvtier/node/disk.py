@@ -74,6 +74,14 @@ class NodeDisk:
             self.num_bytes += size
         self._evict()
 
+    def stats(self) -> dict:
+        return {"dir": str(self.root), "entries": self.num_entries, "bytes": self.num_bytes,
+                "max_bytes": self.max_bytes, "evictions": self.num_evictions, "write_failures": self.num_write_failures}
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._sizes)
+
     def has(self, name: str) -> bool:
         return name in self._sizes
 

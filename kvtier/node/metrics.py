@@ -38,6 +38,9 @@ def prometheus(stats: dict) -> str:
            [({"engine": e}, s["connections"]) for e, s in stats["engines"].items()])
     for counter in ("refused_uid", "refused_protocol", "disk_reads", "disk_skipped", "released_holds"):
         metric(f"{counter}_total", "counter", counter.replace("_", " ") + ".", [({}, stats[counter])])
+    if "events" in stats:
+        for counter in ("events_published", "events_dropped"):
+            metric(f"{counter}_total", "counter", "KV events " + counter[7:] + ".", [({}, stats["events"][counter])])
     if "on_disk" in stats:
         metric("disk_bytes", "gauge", "Bytes of entries on the node's disk.", [({}, stats["on_disk"]["bytes"])])
         metric("disk_entries", "gauge", "Entries on the node's disk.", [({}, stats["on_disk"]["entries"])])

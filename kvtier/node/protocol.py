@@ -8,7 +8,7 @@ into them, then ``Commit``; it reads one by ``Pin`` (the pages stay its until ``
 out of them, then ``Unpin``. Whatever a connection holds is let go when it closes: its pins, and
 the entries it reserved but did not commit, which no reader ever saw.
 
-Every request but ``Commit`` and ``Unpin`` gets exactly one answer, in order; a ``Watch``
+Every request but ``Commit``, ``Unpin`` and ``Announce`` gets exactly one answer, in order; a ``Watch``
 connection gets ``Gone`` notices instead, unasked. A frame that does not decode, a message out of
 protocol or one that breaks a bound gets ``Refused`` and a closed connection.
 """
@@ -86,6 +86,14 @@ class StatsReply(msgspec.Struct, tag=True):
     stats: dict
 
 
+class Announce(msgspec.Struct, tag=True):
+    """KV events of entries this engine stored, for the server to publish once for the node: per name,
+    the engine's encoded event that it is stored and the one that it is removed (``kvtier.node.events``)."""
+    names: list[str]
+    stored: list[bytes]
+    removed: list[bytes]
+
+
 class Gone(msgspec.Struct, tag=True):
     names: list[str]  # entries the node no longer holds (evicted), under a watched prefix
 
@@ -95,7 +103,7 @@ class Refused(msgspec.Struct, tag=True):
 
 
 Message = Hello | Welcome | Exists | Found | Reserve | Reserved | Commit | Pin | Pinned | Unpin | Stats | StatsReply | \
-    Gone | Refused
+    Announce | Gone | Refused
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -17,6 +17,9 @@ disk reads it back into pages first.
 
 When a connection closes (the engine exited, crashed, or was killed), everything it held is let
 go: its pins, and the entries it reserved and never committed, which nobody ever saw.
+
+With ``events_endpoint``, the server publishes the KV events of what it holds, once for the node
+(``kvtier.node.events``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import threading
 from kvtier.node import protocol as p
 from kvtier.node.arena import Arena, Holder
 from kvtier.node.disk import NodeDisk
+from kvtier.node.events import NodeEvents
 from kvtier.node.metrics import prometheus, serve_metrics
 
 logger = logging.getLogger("kvtier.node")
@@ -130,7 +134,8 @@ class _Watchers:
 
 class NodeServer:
     def __init__(self, socket_path: str, host_bytes: int, page_bytes: int = 64 << 10, disk_dir: str | None = None,
-                 disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None):
+                 disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None,
+                 events_endpoint: str | None = None, events_topic: str = ""):
         if page_bytes <= 0 or page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {page_bytes}")
         num_pages = host_bytes // page_bytes
@@ -154,6 +159,9 @@ class NodeServer:
         self.counters = {"connections": 0, "refused_uid": 0, "refused_protocol": 0, "disk_reads": 0,
                          "disk_skipped": 0, "released_holds": 0}
         self._uid = os.geteuid()
+        journal = (os.path.join(disk_dir, "events.journal"), self.disk.names()) if self.disk else None
+        self.events = NodeEvents(events_endpoint, events_topic, self.lock, self._holds, journal) \
+            if events_endpoint else None
         self._listener = listen(self.socket_path)
         self._closing = False
         self.metrics = serve_metrics(metrics_port, lambda: prometheus(self.stats())) if metrics_port is not None else None
@@ -182,6 +190,8 @@ class NodeServer:
             os.unlink(self.socket_path)
         if self.metrics is not None:
             self.metrics.shutdown()
+        if self.events is not None:
+            self.events.close()
 
     # --- one connection ------------------------------------------------------------
     def _serve_connection(self, sock: socket.socket) -> None:
@@ -271,6 +281,14 @@ class NodeServer:
             return None
         if isinstance(message, p.Stats):
             return p.StatsReply(self.stats())
+        if isinstance(message, p.Announce):
+            if not len(message.stored) == len(message.removed) == len(names):
+                return p.Refused("Announce: one stored and one removed event per name")
+            if self.events is not None:
+                told = self.events.well_formed(names, message.stored, message.removed)
+                with self.lock:  # held, and announced, in one hold: a removal is never told before its storage
+                    self.events.announce(told)
+            return None
         return p.Refused(f"{type(message).__name__} is not a request of this protocol")
 
     def _reserve(self, holder: Holder, names: list[str], sizes: list[int]) -> list:
@@ -329,9 +347,16 @@ class NodeServer:
             self.counters["disk_reads"] += 1  # counted as a disk read, not as a hit in memory
             return self.arena.pin(holder, [name], count=False)[0]
 
+    def _holds(self, name: str) -> bool:
+        return self.arena.holds(name) or (self.disk is not None and self.disk.has(name))
+
     def _gone(self, names: list[str]) -> None:
-        """Names that left memory: gone for the node unless its disk still holds them."""
-        self.watchers.tell([n for n in names if self.disk is None or not self.disk.has(n)])
+        """Names that left memory, or the disk: gone for the node unless it still holds them."""
+        names = [n for n in names if self.disk is None or not self.disk.has(n)]
+        if self.events is not None:
+            with self.lock:  # stored again meanwhile: its announcement stands
+                self.events.gone([n for n in names if not self.arena.holds(n)])
+        self.watchers.tell(names)
 
     # --- the disk --------------------------------------------------------------------
     def _write_through(self) -> None:
@@ -349,32 +374,41 @@ class NodeServer:
     def stats(self) -> dict:
         with self.lock:
             stats = self.arena.stats()
-            stats["engines"] = {}
-            for holder in self._connections.values():
-                mine = stats["engines"].setdefault(holder.engine, {"connections": 0, "pins": 0, "writing": 0})
-                mine["connections"] += 1
-                mine["pins"] += sum(holder.pins.values())
-                mine["writing"] += len(holder.writing)
-            stats.update(self.counters, watchers=len(self.watchers), socket=self.socket_path,
-                         arena_bytes=self.arena_bytes)
+            stats.update(self.counters, engines=_engines(self._connections.values()), watchers=len(self.watchers),
+                         socket=self.socket_path, arena_bytes=self.arena_bytes)
+            if self.events is not None:
+                stats["events"] = {"endpoint": self.events.endpoint, "announced": self.events.num_announced,
+                                   **self.events.counters}
             if self.disk is not None:
-                stats["on_disk"] = {"dir": str(self.disk.root), "entries": self.disk.num_entries,
-                                 "bytes": self.disk.num_bytes, "max_bytes": self.disk.max_bytes,
-                                 "evictions": self.disk.num_evictions, "write_failures": self.disk.num_write_failures}
+                stats["on_disk"] = self.disk.stats()
         return stats
+
+def _engines(holders) -> dict:
+    """Per engine (its connections together): connections, pins and entries being written."""
+    engines: dict = {}
+    for holder in holders:
+        mine = engines.setdefault(holder.engine, {"connections": 0, "pins": 0, "writing": 0})
+        mine["connections"] += 1
+        mine["pins"] += sum(holder.pins.values())
+        mine["writing"] += len(holder.writing)
+    return engines
+
 
 def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 def serve(socket_path: str, host_bytes: int, page_bytes: int, disk_dir: str | None, disk_bytes: int,
-          metrics_port: int | None) -> None:
+          metrics_port: int | None, events_endpoint: str | None = None, events_topic: str = "") -> None:
     """Run the node server in the foreground until SIGTERM or SIGINT (for systemd, a container)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s kvtier-node %(message)s")
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server = NodeServer(socket_path, host_bytes, page_bytes, disk_dir, disk_bytes, metrics_port=metrics_port)
+    server = NodeServer(socket_path, host_bytes, page_bytes, disk_dir, disk_bytes, metrics_port=metrics_port,
+                        events_endpoint=events_endpoint, events_topic=events_topic)
     print(f"node_socket: {server.socket_path}", flush=True)
+    if server.events is not None:
+        print(f"kv_events: {server.events.endpoint}", flush=True)
     if server.metrics is not None:
         print(f"metrics: http://127.0.0.1:{server.metrics.server_address[1]}/metrics", flush=True)
     try:

@@ -75,6 +75,12 @@ class Announcements:
     def knows(self, key: bytes) -> bool:
         return key in self._meta
 
+    def meta(self, key: bytes) -> tuple | None:
+        return self._meta.get(key)
+
+    def place(self, tier: str) -> Place | None:
+        return self._where.get(tier)
+
     def take(self, holdings: list[tuple[str, str, bytes]], announcing: bool = False) -> list[tuple[bool, tuple, Place]]:
         """Announcements for ``holdings``: (stored, the block's metadata, where), in order."""
         out = []
@@ -140,6 +146,7 @@ class DiskJournal:
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._found: list[tuple[bytes, tuple]] = []  # read back at start, to announce
         self._lock = threading.Lock()
+        self.loaded = threading.Event()  # set once the journal is read: ``take_found`` has all it will have
         self._thread = threading.Thread(target=self._run, args=(held_keys,), name="kvtier-events-journal",
                                         daemon=True)
         self._thread.start()
@@ -180,6 +187,7 @@ class DiskJournal:
             pass
         with self._lock:
             self._found.extend(found.items())
+        self.loaded.set()
         journal = self._rewrite(live)
         written = len(live)  # records in the file; past twice the live ones (and 1,000), it is rewritten
         try:

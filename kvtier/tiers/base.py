@@ -172,6 +172,10 @@ class TierKind:
     read_records: Callable[["TierSpec"], list] | None = None
     held_from_outside: Callable[["TierSpec", int, Sequence[bytes], Sequence[bytes]], set] | None = None
     release_outside: Callable[["TierSpec"], None] | None = None
+    # Its server publishes its blocks' KV events once for every engine that uses it: (spec, the first rank's
+    # fingerprint) -> a sender of [(key, its stored event, its removed event)] (encoded), with ``close()``.
+    # Engines publish none of their own for the tier, and hand it theirs (off the scheduler's thread).
+    announcer: Callable[["TierSpec", bytes], Callable] | None = None
 
 
 class TierIndex(ABC):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
 import socket
 import threading
 import time
@@ -22,9 +23,11 @@ from urllib.parse import unquote, urlparse
 
 from kvtier.node import protocol as p
 from kvtier.tiers.base import TierKind, TierSpec
-from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls
+from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls, pool_key
 
 logger = logging.getLogger("kvtier.pool")
+
+ANNOUNCE_QUEUE = 1024  # steps' events waiting for the server; past them they are dropped (a router misses them)
 
 
 def socket_path(location: str) -> str:
@@ -207,6 +210,68 @@ def watch_gone(spec: TierSpec, prefixes, tell) -> None:
     threading.Thread(target=run, daemon=True, name="kvtier-node-gone").start()
 
 
+class Announcer:
+    """The KV events of what an engine stored in the node, sent to the server, which publishes each entry's
+    once for the node (``kvtier.node.events``). Sent by a thread of its own through a bounded queue: the
+    scheduler hands them over and goes on. While the server is away they are dropped (it holds nothing
+    of what is stored meanwhile), and it is connected to again after ``retry_s``."""
+
+    def __init__(self, spec: TierSpec, rank_fingerprint: bytes):
+        self.spec, self.fingerprint = spec, rank_fingerprint
+        self._queue: queue.Queue = queue.Queue(ANNOUNCE_QUEUE)
+        self.num_dropped = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvtier-node-announce")
+        self._thread.start()
+
+    def __call__(self, told: list[tuple[bytes, bytes, bytes]]) -> None:
+        try:
+            self._queue.put_nowait(told)
+        except queue.Full:
+            self.num_dropped += len(told)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """What was handed over is sent first, for at most ``timeout_s`` (an engine that stops)."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:  # behind: a daemon thread, gone with the process
+            return
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        sock, down_until = None, 0.0
+        while (told := self._queue.get()) is not None:
+            if time.monotonic() < down_until:
+                self.num_dropped += len(told)
+                continue
+            try:
+                if sock is None:
+                    sock, _, fd = connect(socket_path(self.spec.location), self.spec.timeout_s)
+                    os.close(fd)  # an announcer copies nothing
+                for part in _batches(told):
+                    p.send(sock, p.Announce([pool_key(self.fingerprint, key) for key, _, _ in part],
+                                            [stored for _, stored, _ in part], [removed for _, _, removed in part]))
+            except Exception:  # the server went away: these are lost with what it held
+                self.num_dropped += len(told)
+                if sock is not None:
+                    sock.close()
+                sock, down_until = None, time.monotonic() + self.spec.retry_s
+        if sock is not None:
+            sock.close()
+
+
+def _batches(told: list, max_bytes: int = 1 << 20):
+    """``told`` in Announce messages of at most ``MAX_BATCH`` names and about ``max_bytes`` of events."""
+    part, size = [], 0
+    for item in told:
+        if part and (len(part) == p.MAX_BATCH or size + len(item[1]) + len(item[2]) > max_bytes):
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += len(item[1]) + len(item[2])
+    if part:
+        yield part
+
+
 def _connector(spec: TierSpec):
     return lambda: NodeClient(socket_path(spec.location), spec.timeout_s)
 
@@ -229,4 +294,4 @@ def _address(spec: TierSpec) -> str:
 KIND = TierKind("node", make_index, make_store, shared=True, medium="CPU", address=_address, validate=validate,
                 notices=lambda spec: "; its evictions are told as they happen",
                 write_record=write_record, read_records=read_records, held_from_outside=held_from_outside,
-                release_outside=release_outside)
+                release_outside=release_outside, announcer=Announcer)

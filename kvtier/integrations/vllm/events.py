@@ -11,11 +11,17 @@ A block's vLLM metadata is taken from its request when kvtier keys it; only bloc
 metadata (full blocks that kvtier keyed in this process) are announced: not the partial
 ones, which vLLM does not hash. Fields a vLLM release lacks (``locality``, ``ownership``
 before 0.32) are left out.
+
+A tier whose server publishes its blocks' events for every engine (the node server,
+``kvtier.node.events``) is handed this engine's events of the blocks it stored there, encoded
+as vLLM encodes them; the engine publishes none of its own for that tier.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import msgspec
 
 from kvtier.scheduler.announcements import Announcements
 
@@ -39,18 +45,23 @@ def meta_of(fields: list) -> BlockMeta | None:
 class KVEvents:
     """Builds vLLM events from kvtier's holdings. Lives in the scheduler; one thread."""
 
-    def __init__(self, specs, max_unheld: int = 100_000, journals=None, held: Announcements | None = None):
+    def __init__(self, specs, max_unheld: int = 100_000, journals=None, held: Announcements | None = None,
+                 rank_fingerprint: bytes | None = None):
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         self._stored, self._removed = BlockStored, BlockRemoved
         fields = set(getattr(BlockStored, "__struct_fields__", ()))
         self._has_locality = "locality" in fields and "ownership" in fields
         self.held = held or Announcements(specs, max_unheld, journals)
+        # Tiers whose server publishes their events once for every engine: (tier name -> its sender).
+        self._servers = {spec.name: spec.kind.announcer(spec, rank_fingerprint) for spec in specs
+                         if spec.kind.announcer is not None and rank_fingerprint is not None}
 
     @classmethod
     def of(cls, manager) -> "KVEvents":
         """Events for ``manager``'s (a ``TierManager``'s) tiers (``Announcements.of``)."""
-        return cls(manager.specs, held=Announcements.of(manager, meta_of))
+        return cls(manager.specs, held=Announcements.of(manager, meta_of),
+                   rank_fingerprint=manager.rank_fingerprints[0])
 
     def remember(self, request, keys: list[bytes], first_block: int, block_size: int) -> None:
         """vLLM's metadata of ``keys``, the request's blocks from ``first_block`` on."""
@@ -67,7 +78,26 @@ class KVEvents:
 
     def events(self, holdings: list[tuple[str, str, bytes]], block_size: int) -> list:
         """vLLM's events for ``holdings`` (``Announcements.take``)."""
+        if self._servers:
+            holdings = self._hand_over(holdings, block_size)
         return [self._event(*told, block_size) for told in self.held.take(holdings)]
+
+    def _hand_over(self, holdings: list[tuple[str, str, bytes]], block_size: int) -> list[tuple[str, str, bytes]]:
+        """The holdings of tiers whose server publishes their events: a stored block's two events (its
+        storage, and its removal for the server to publish when it goes) go to the server; the rest
+        are this engine's to publish."""
+        told: dict[str, list] = {}
+        rest = []
+        for kind, tier, key in holdings:
+            if tier not in self._servers:
+                rest.append((kind, tier, key))
+            elif kind == "stored" and (meta := self.held.meta(key)) is not None:
+                place = self.held.place(tier)
+                told.setdefault(tier, []).append((key, msgspec.msgpack.encode(self._event(True, meta, place, block_size)),
+                                                  msgspec.msgpack.encode(self._event(False, meta, place, block_size))))
+        for tier, events in told.items():
+            self._servers[tier](events)
+        return rest
 
     def announce_journal(self, block_size: int) -> list:
         """The blocks a previous process left in the tiers that list theirs: a batch per tier per call."""
@@ -87,6 +117,8 @@ class KVEvents:
 
     def close(self) -> None:
         self.held.close()
+        for server in self._servers.values():
+            server.close()
 
     @property
     def num_tracked(self) -> int:
