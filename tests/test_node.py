@@ -117,6 +117,31 @@ def test_arena_pins_writes_and_release_follow_their_holders():
     assert arena.stats()["free_pages"] == 8
 
 
+def test_each_engine_is_counted_for_what_it_stored_and_the_engines_gone_together():
+    from kvtier.node.metrics import prometheus
+
+    arena = Arena(4, 100)
+    a, b = Holder("a"), Holder('b"\n')  # a label the text format must quote
+    arena.reserve(a, ["x"], [100])
+    arena.commit(a, ["x"], [True])
+    assert arena.pin(b, ["x"]) == [(100, [0])] and arena.pin(a, ["x"]) == [(100, [0])]  # one hit of another's
+    arena.unpin(a, ["x"])
+    arena.unpin(b, ["x"])
+    assert arena.reserve(b, ["y"], [400]) == [[0, 1, 2, 3]]  # x evicted for it
+    arena.commit(b, ["y"], [True])
+    by = arena.stats()["stored_by"]
+    assert by["a"] == {"pages_used": 0, "stores": 1, "hits_served_to_others": 1, "evictions": 1}
+    assert by['b"\n'] == {"pages_used": 4, "stores": 1, "hits_served_to_others": 0, "evictions": 0}
+    counters = dict.fromkeys(("refused_uid", "refused_protocol", "disk_reads", "disk_skipped", "released_holds"), 0)
+    text = prometheus({**arena.stats(), **counters, "engines": {}, "arena_bytes": 400})
+    assert 'kvtier_node_engine_used_bytes{engine="b\\"\\n"} 400' in text
+    assert 'kvtier_node_engine_hits_served_to_others_total{engine="a"} 1' in text
+    arena.depart('b"\n')
+    arena.depart("a")
+    assert arena.stats()["stored_by"] == {"departed": {"pages_used": 4, "stores": 2, "hits_served_to_others": 1,
+                                                       "evictions": 1}}
+
+
 _KILLED_CLIENT = textwrap.dedent("""
     import os, signal, sys
     from kvtier.node import protocol as p
@@ -427,3 +452,17 @@ def test_a_restarted_node_server_announces_what_its_disk_still_holds(tmp_path):
         assert sorted(e.block_hashes[0] for e in again) == sorted(m.block_hash for m in metas.values())
         assert stats(node)["events"]["announced"] == 3
         engine.close()
+
+
+def test_the_node_metrics_listen_on_loopback_unless_an_address_is_given():
+    from kvtier.node.metrics import serve_metrics
+
+    for host, expected in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+        http = serve_metrics(0, lambda: "kvtier_node_up 1\n", **({} if host is None else {"host": host}))
+        try:
+            address, port = http.server_address[:2]
+            assert address == expected
+            assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read() == b"kvtier_node_up 1\n"
+        finally:
+            http.shutdown()
+            http.server_close()

@@ -101,6 +101,12 @@ def test_engine_b_loads_what_engine_a_stored_from_the_nodes_memory_and_a_restart
     assert stored["stores"] >= blocks and space_b["stores"] == stored["stores"]  # B wrote nothing already held
     assert space_b["hits_other_engine"] - stored["hits_other_engine"] == blocks  # B's hits: A's entries
     assert space_after["hits"] - space_b["hits"] == blocks and after["disk_reads"] == 0  # from memory, at once
+    # Each engine gone, its entries and counters are the departed engines': every hit of B, and of A again,
+    # on another engine's entries (the model's blocks, and kvtier's own records) was on A's.
+    for state in (after_b, after):
+        assert set(state["stored_by"]) == {"departed"}
+        others = sum(s["hits_other_engine"] for s in state["namespaces"].values())
+        assert state["stored_by"]["departed"]["hits_served_to_others"] == others
     assert after["released_holds"] == 0  # every engine let go of what it held before it went
     if layout == "in_process":
         state = b["kvtier"]

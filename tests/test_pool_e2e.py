@@ -279,6 +279,8 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
     import signal
     import urllib.error
 
+    import psutil
+
     from kvtier.cli.demo.model import words
     from tests.e2e.servers import http_json, kvtier_proxy, stream_completion, vllm_server
 
@@ -311,8 +313,11 @@ def test_the_proxy_serves_through_a_prefill_and_a_decode_server(workdir, tmp_pat
                 procs[0].wait()
                 other = {**request, "prompt": words(prompt(98, 300))}
                 without_prefill = http_json(url + "/v1/completions", other, headers=auth)
-                # Killed once the stream's headers are out, not after its first text event: a decode server
-                # short of CPU sends a long stream's events in a few late bursts, the first with the [DONE].
+                # Decode's engine is stopped before the request and the server killed once the stream's headers
+                # are out: a running engine could finish the whole stream before the kill lands (the processes
+                # around it short of CPU), and its first text event may come with the [DONE].
+                for child in psutil.Process(procs[1].pid).children(recursive=True):
+                    child.send_signal(signal.SIGSTOP)
                 cut = stream_completion(url, {**other, "stream": True, "max_tokens": 3000, "ignore_eos": True}, auth,
                                         on_open=lambda: os.killpg(procs[1].pid, signal.SIGKILL))
                 try:

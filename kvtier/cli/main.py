@@ -124,8 +124,9 @@ def _serve(args) -> None:
         return servers.serve(args.pool, args.memory)
     from kvtier.node import server
     try:
-        server.serve(args.socket, args.host_bytes, args.page_bytes, args.disk_dir, args.disk_bytes, args.metrics_port,
-                     args.kv_events_endpoint, args.kv_events_topic)
+        server.serve(args.socket, args.host_bytes, page_bytes=args.page_bytes, disk_dir=args.disk_dir,
+                     disk_bytes=args.disk_bytes, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                     events_endpoint=args.kv_events_endpoint, events_topic=args.kv_events_topic)
     except (ValueError, OSError, RuntimeError) as error:  # a flag the server cannot use, a socket taken
         raise SystemExit(f"kvtier serve node: {error}") from None
 
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--disk-dir", default=None, help="node: the node's disk, written through (default: none)")
     serve.add_argument("--disk-bytes", default="16GiB", type=_bytes_flag, help="node: the disk's bound, least recently used deleted")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="node: Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; default: none)")
+                       help="node: Prometheus metrics on PORT (at /metrics; 0: any free port; default: none)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="node: the address the metrics listen on (0.0.0.0 for a scraper in another pod)")
     serve.add_argument("--kv-events-endpoint", default=None,
                        help="node: publish the KV events of the node's blocks, once for every engine, on this ZMQ "
                             "endpoint (vLLM's format; e.g. tcp://127.0.0.1:5560; default: none)")

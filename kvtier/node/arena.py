@@ -38,6 +38,16 @@ class _Entry:
 
 
 @dataclass
+class EngineCounters:  # of the entries one engine stored
+    stores: int = 0
+    hits_served_to_others: int = 0  # other engines' hits on them
+    evictions: int = 0
+
+
+DEPARTED = "departed"  # the engines whose connections have all closed, together
+
+
+@dataclass
 class NamespaceCounters:
     hits: int = 0
     hits_other_engine: int = 0  # hits on an entry another engine stored
@@ -61,6 +71,7 @@ class Arena:
         self._entries: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # ready, unpinned; oldest first
         self.counters: dict[str, NamespaceCounters] = defaultdict(NamespaceCounters)
+        self.engines: dict[str, EngineCounters] = defaultdict(EngineCounters)  # connected, and DEPARTED
         self.evicted: list[str] = []  # names evicted since the server last took them (``take_evicted``)
 
     # --- writes ----------------------------------------------------------------
@@ -106,6 +117,7 @@ class Arena:
             entry.writer = None
             if done:
                 self.counters[entry.namespace].stores += 1
+                self.engines[entry.engine].stores += 1
                 self._lru[name] = None
                 ready.append(name)
             else:
@@ -128,7 +140,9 @@ class Arena:
             if count:
                 counters = self.counters[entry.namespace]
                 counters.hits += 1
-                counters.hits_other_engine += entry.engine != holder.engine
+                if entry.engine != holder.engine:
+                    counters.hits_other_engine += 1
+                    self.engines[entry.engine].hits_served_to_others += 1
             answer.append((entry.size, entry.pages))
         return answer
 
@@ -155,6 +169,18 @@ class Arena:
             self.commit(holder, [name], [False])
         return held
 
+    def depart(self, engine: str) -> None:
+        """``engine``'s last connection closed: its entries and counters are DEPARTED's from now on,
+        so that engines that come and go (a new label each) leave no trail."""
+        gone = self.engines.pop(engine, None)
+        if gone is not None:
+            kept = self.engines[DEPARTED]
+            for field, value in vars(gone).items():
+                setattr(kept, field, getattr(kept, field) + value)
+        for entry in self._entries.values():
+            if entry.engine == engine:
+                entry.engine = DEPARTED
+
     # --- queries ---------------------------------------------------------------
     def holds(self, name: str) -> bool:
         """Ready here (a name being written is not, yet)."""
@@ -179,10 +205,15 @@ class Arena:
             entries[entry.namespace] += 1
             if entry.pins or entry.writer is not None:
                 pinned[entry.namespace] += len(entry.pages)
+        by_engine: Counter[str] = Counter()
+        for entry in self._entries.values():
+            by_engine[entry.engine] += len(entry.pages)
         namespaces = set(used) | set(self.counters)
         return {"pages": self.num_pages, "page_bytes": self.page_bytes, "free_pages": len(self._free),
                 "namespaces": {ns: {"pages_used": used[ns], "pages_pinned": pinned[ns], "entries": entries[ns],
-                                    **vars(self.counters[ns])} for ns in sorted(namespaces)}}
+                                    **vars(self.counters[ns])} for ns in sorted(namespaces)},
+                "stored_by": {engine: {"pages_used": by_engine[engine], **vars(self.engines[engine])}
+                              for engine in sorted(set(by_engine) | set(self.engines))}}
 
     @property
     def num_pinned_pages(self) -> int:
@@ -191,7 +222,9 @@ class Arena:
     # --- internals -------------------------------------------------------------
     def _evict_one(self) -> None:
         name, _ = self._lru.popitem(last=False)
-        self.counters[self._entries[name].namespace].evictions += 1
+        entry = self._entries[name]
+        self.counters[entry.namespace].evictions += 1
+        self.engines[entry.engine].evictions += 1
         self._drop(name)
         self.evicted.append(name)
 

@@ -115,9 +115,9 @@ class NodeEvents:
                 pass
         return told
 
-    @property
-    def num_announced(self) -> int:
-        return len(self._removed)
+    def stats(self) -> dict:
+        """Called under the server's lock, which guards what is announced."""
+        return {"endpoint": self.endpoint, "announced": len(self._removed), **self.counters}
 
     def _put(self, events: list[bytes]) -> None:
         if not events:

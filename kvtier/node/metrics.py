@@ -1,5 +1,7 @@
 """The node server's Prometheus metrics: per namespace (pool bytes used and pinned, entries, hits,
-hits on another engine's entries, stores, evictions) and per connected engine (pins, connections)."""
+hits on another engine's entries, stores, evictions), per engine that stored entries (bytes held,
+stores, other engines' hits on them, evictions; the engines gone, together as "departed") and per
+connected engine (pins, connections)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ def prometheus(stats: dict) -> str:
     def metric(name, kind, help_text, samples):
         lines.extend([f"# HELP kvtier_node_{name} {help_text}", f"# TYPE kvtier_node_{name} {kind}"])
         for labels, value in samples:
-            text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            text = ",".join(f'{k}="{_escaped(v)}"' for k, v in labels.items())
             lines.append(f"kvtier_node_{name}{{{text}}} {value}" if text else f"kvtier_node_{name} {value}")
 
     spaces = stats["namespaces"]
@@ -32,6 +34,14 @@ def prometheus(stats: dict) -> str:
                                ("refused_stores", "Stores refused for want of room")):
         metric(f"{counter}_total", "counter", f"{help_text}, per namespace.",
                [({"namespace": ns}, s[counter]) for ns, s in spaces.items()])
+    stored_by = stats["stored_by"]  # connected engines, and "departed"
+    metric("engine_used_bytes", "gauge", "Bytes of the host pool holding the entries each engine stored.",
+           [({"engine": e}, s["pages_used"] * page) for e, s in stored_by.items()])
+    for counter, help_text in (("stores", "Entries each engine stored"),
+                               ("hits_served_to_others", "Other engines' hits on the entries each engine stored"),
+                               ("evictions", "Evictions of the entries each engine stored")):
+        metric(f"engine_{counter}_total", "counter", help_text + ".", [({"engine": e}, s[counter])
+                                                                       for e, s in stored_by.items()])
     metric("engine_pins", "gauge", "Pins each connected engine holds.",
            [({"engine": e}, s["pins"]) for e, s in stats["engines"].items()])
     metric("engine_connections", "gauge", "Connections of each engine.",
@@ -47,8 +57,14 @@ def prometheus(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_metrics(port: int, render) -> ThreadingHTTPServer:
-    """``render()`` at http://127.0.0.1:PORT/metrics, on a thread of its own (0: a free port)."""
+def _escaped(value) -> str:
+    """A label value as the text format quotes it (an engine names itself)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def serve_metrics(port: int, render, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """``render()`` at http://HOST:PORT/metrics, on a thread of its own (0: a free port). Loopback unless
+    configured: the metrics name the engines and namespaces of the node."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -65,7 +81,7 @@ def serve_metrics(port: int, render) -> ThreadingHTTPServer:
         def log_message(self, *args):
             return None
 
-    http = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # loopback: metrics name engines and namespaces
+    http = ThreadingHTTPServer((host, port), Handler)
     http.daemon_threads = True
     threading.Thread(target=http.serve_forever, daemon=True, name="kvtier-node-metrics").start()
     return http

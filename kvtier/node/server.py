@@ -24,6 +24,7 @@ With ``events_endpoint``, the server publishes the KV events of what it holds, o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -135,7 +136,7 @@ class _Watchers:
 class NodeServer:
     def __init__(self, socket_path: str, host_bytes: int, page_bytes: int = 64 << 10, disk_dir: str | None = None,
                  disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None,
-                 events_endpoint: str | None = None, events_topic: str = ""):
+                 metrics_host: str = "127.0.0.1", events_endpoint: str | None = None, events_topic: str = ""):
         if page_bytes <= 0 or page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {page_bytes}")
         num_pages = host_bytes // page_bytes
@@ -164,7 +165,8 @@ class NodeServer:
             if events_endpoint else None
         self._listener = listen(self.socket_path)
         self._closing = False
-        self.metrics = serve_metrics(metrics_port, lambda: prometheus(self.stats())) if metrics_port is not None else None
+        self.metrics = serve_metrics(metrics_port, lambda: prometheus(self.stats()), metrics_host) \
+            if metrics_port is not None else None
 
     # --- the socket --------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -181,10 +183,8 @@ class NodeServer:
 
     def close(self) -> None:
         self._closing = True
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
@@ -236,6 +236,8 @@ class NodeServer:
                     self._connections.pop(sock.fileno(), None)
                     self.counters["released_holds"] += self.arena.release(holder)
                     evicted = self.arena.take_evicted()
+                    if all(other.engine != holder.engine for other in self._connections.values()):
+                        self.arena.depart(holder.engine)
                 self._gone(evicted)
             sock.close()
 
@@ -263,7 +265,7 @@ class NodeServer:
             return p.Refused(f"a batch of at most {p.MAX_BATCH} names of at most {MAX_NAME} characters")
         if isinstance(message, p.Exists):
             with self.lock:
-                return p.Found([self.arena.holds(n) or (self.disk is not None and self.disk.has(n)) for n in names])
+                return p.Found([self._holds(n) for n in names])
         if isinstance(message, p.Reserve):
             if len(message.sizes) != len(names) or any(s <= 0 for s in message.sizes):
                 return p.Refused("Reserve: one positive size per name")
@@ -377,11 +379,11 @@ class NodeServer:
             stats.update(self.counters, engines=_engines(self._connections.values()), watchers=len(self.watchers),
                          socket=self.socket_path, arena_bytes=self.arena_bytes)
             if self.events is not None:
-                stats["events"] = {"endpoint": self.events.endpoint, "announced": self.events.num_announced,
-                                   **self.events.counters}
+                stats["events"] = self.events.stats()
             if self.disk is not None:
                 stats["on_disk"] = self.disk.stats()
         return stats
+
 
 def _engines(holders) -> dict:
     """Per engine (its connections together): connections, pins and entries being written."""
@@ -398,14 +400,12 @@ def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def serve(socket_path: str, host_bytes: int, page_bytes: int, disk_dir: str | None, disk_bytes: int,
-          metrics_port: int | None, events_endpoint: str | None = None, events_topic: str = "") -> None:
+def serve(socket_path: str, host_bytes: int, **options) -> None:
     """Run the node server in the foreground until SIGTERM or SIGINT (for systemd, a container)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s kvtier-node %(message)s")
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server = NodeServer(socket_path, host_bytes, page_bytes, disk_dir, disk_bytes, metrics_port=metrics_port,
-                        events_endpoint=events_endpoint, events_topic=events_topic)
+    server = NodeServer(socket_path, host_bytes, **options)  # ``NodeServer``'s keywords
     print(f"node_socket: {server.socket_path}", flush=True)
     if server.events is not None:
         print(f"kv_events: {server.events.endpoint}", flush=True)

@@ -44,13 +44,15 @@ def validate(url: str) -> None:
         raise ValueError(f"a node:// URL takes no options of its own, got {parsed.query!r}")
 
 
-def connect(path: str, timeout_s: float, watch: Sequence[str] | None = None):
-    """A connection to the node server, accepted: (socket, Welcome, the arena's descriptor)."""
+def connect(path: str, timeout_s: float, watch: Sequence[str] | None = None, engine: str | None = None):
+    """A connection to the node server, accepted: (socket, Welcome, the arena's descriptor). ``engine``:
+    the engine's label in the server's metrics, by default the parent's process id (a client runs in
+    the engine's I/O or lookup process)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)
         sock.connect(path)
-        p.send(sock, p.Hello(p.VERSION, str(os.getppid()), None if watch is None else list(watch)))
+        p.send(sock, p.Hello(p.VERSION, engine or str(os.getppid()), None if watch is None else list(watch)))
         welcome, fd = p.receive_welcome(sock)
         if not isinstance(welcome, p.Welcome) or fd is None:
             if fd is not None:
@@ -245,7 +247,8 @@ class Announcer:
                 continue
             try:
                 if sock is None:
-                    sock, _, fd = connect(socket_path(self.spec.location), self.spec.timeout_s)
+                    sock, _, fd = connect(socket_path(self.spec.location), self.spec.timeout_s,
+                                          engine=str(os.getpid()))  # the scheduler's own process
                     os.close(fd)  # an announcer copies nothing
                 for part in _batches(told):
                     p.send(sock, p.Announce([pool_key(self.fingerprint, key) for key, _, _ in part],
