@@ -200,19 +200,19 @@ class Arena:
         used: Counter[str] = Counter()
         pinned: Counter[str] = Counter()
         entries: Counter[str] = Counter()
+        by_engine: Counter[str] = Counter()
         for entry in self._entries.values():
             used[entry.namespace] += len(entry.pages)
             entries[entry.namespace] += 1
+            by_engine[entry.engine] += len(entry.pages)
             if entry.pins or entry.writer is not None:
                 pinned[entry.namespace] += len(entry.pages)
-        by_engine: Counter[str] = Counter()
-        for entry in self._entries.values():
-            by_engine[entry.engine] += len(entry.pages)
         namespaces = set(used) | set(self.counters)
         return {"pages": self.num_pages, "page_bytes": self.page_bytes, "free_pages": len(self._free),
                 "namespaces": {ns: {"pages_used": used[ns], "pages_pinned": pinned[ns], "entries": entries[ns],
                                     **vars(self.counters[ns])} for ns in sorted(namespaces)},
-                "stored_by": {engine: {"pages_used": by_engine[engine], **vars(self.engines[engine])}
+                "stored_by": {engine: {"pages_used": by_engine[engine],
+                                       **vars(self.engines.get(engine) or EngineCounters())}
                               for engine in sorted(set(by_engine) | set(self.engines))}}
 
     @property
