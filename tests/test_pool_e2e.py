@@ -212,6 +212,13 @@ def pool_hit_tokens(server: str, timeout_s: float = 30) -> float:
         time.sleep(1)
 
 
+# Decode's bounds while prefill stores after its answer, wide because two engines, the proxy, Redis and
+# another test's engine may share two cores: a lookup of the pool slower than remote_timeout_s leaves the
+# request nothing to wait on, and a gap between two of prefill's stores longer than handoff_stall_s ends
+# the wait. Either would load part of the prompt.
+PATIENT = {"handoff_stall_s": 10.0, "remote_timeout_s": 10.0}
+
+
 def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answer(workdir, tmp_path):
     """``vllm serve`` x2 and ``kvtier proxy`` on a Redis pool; prefill's host pool holds one block, so
     of a prompt of 60 blocks it stores one before its answer and the rest after it, one a step. Its
@@ -236,7 +243,7 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
 
         with vllm_server(model, config("kv_producer", host_bytes=slot_bytes + 64), tmp_path / "prefill.log",
                          procs=procs) as prefill, \
-                vllm_server(model, config("kv_consumer", load_timeout_s=120.0), tmp_path / "decode.log") as decode, \
+                vllm_server(model, config("kv_consumer", load_timeout_s=120.0, **PATIENT), tmp_path / "decode.log") as decode, \
                 kvtier_proxy(prefill, decode, tmp_path / "proxy.log") as url:
             request = {"model": model, "prompt": words(tokens), "max_tokens": 5, "temperature": 0}
             through_proxy = http_json(url + "/v1/completions", request)
@@ -257,15 +264,16 @@ def test_the_decode_instance_waits_for_the_blocks_prefill_stores_after_its_answe
             waited = time.monotonic() - began
             print(f"decode's request waited {waited:.1f} s for a producer killed after its answer")
             after = kvtier_metrics(decode)
-    assert remote_hits == len(tokens)  # every prompt token, from the pool, though most came after the answer
+    # Every prompt token, from the pool, though most came after the answer (else: why it stopped waiting).
+    assert remote_hits == len(tokens), {k: v for k, v in metrics.items() if "handoff" in k or "miss" in k}
     assert waits == [0, 0, 0]  # decode's /metrics: it waited no more once they were there, never timed out or stalled
     assert through_proxy["choices"][0]["text"] == alone["choices"][0]["text"]
     # Prefill alone, a prompt of its own: its answer names the tokens it is still storing.
     assert handed["kv_transfer_params"] == {"kvtier_tokens": 650}
     assert answer["kv_transfer_params"] == {"kvtier_tokens": 1900}
-    # Its producer gone, decode waited handoff_stall_s (5 s) after the last block came, not load_timeout_s.
+    # Its producer gone, decode waited handoff_stall_s after the last block came, not load_timeout_s.
     assert after.get("vllm:kvtier_handoff_stalls_total") == 1 and after.get("vllm:kvtier_handoff_timeouts_total") == 0
-    assert after.get("vllm:kvtier_handoff_waiting_requests") == 0 and 5 <= waited < 120
+    assert after.get("vllm:kvtier_handoff_waiting_requests") == 0 and PATIENT["handoff_stall_s"] <= waited < 120
     assert decoded["choices"][0]["text"].startswith(answer["choices"][0]["text"])  # prefill's first token
 
 
