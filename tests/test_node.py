@@ -454,6 +454,74 @@ def test_a_restarted_node_server_announces_what_its_disk_still_holds(tmp_path):
         engine.close()
 
 
+def replayed(endpoint: str, start_seq: int, timeout: float = 10.0) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol, as a router speaks it: (seq, payload) of the batches from ``start_seq``."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint)
+    try:
+        socket.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        batches = []
+        while socket.poll(int(timeout * 1000)):
+            _, topic, seq, payload = socket.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert topic == payload == b""
+                return batches
+            batches.append((int.from_bytes(seq, "big"), payload))
+        raise AssertionError(f"no end of the replay came; {len(batches)} batches")
+    finally:
+        socket.close(linger=0)
+
+
+def test_a_router_that_connects_late_has_the_node_replay_its_events(tmp_path):
+    """Nobody listens while an engine stores three blocks; a router that comes later asks the replay
+    endpoint for everything from sequence 0 and reads each block's storage, as vLLM's replay protocol
+    hands it (a later start sequence, only what followed); a malformed request gets no answer and
+    leaves the endpoint serving."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from kvtier.cli.servers import free_port
+
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    with local_node(str(tmp_path), disk=False, events_endpoint=endpoint, events_replay=replay) as node:
+        engine, metas = Engine(node, track_holdings=True), block_metas()
+        announced_store(engine, metas)
+        deadline = time.monotonic() + 10
+        while stats(node)["events"]["events_published"] < 3:
+            assert time.monotonic() < deadline, "the node published nothing"
+            time.sleep(0.05)
+        junk = zmq.Context.instance().socket(zmq.DEALER)
+        junk.connect(replay)
+        junk.send_multipart((b"", b"not a sequence number"))
+        batches = replayed(replay, 0)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        events = [e for _, payload in batches for e in decoder.decode(payload).events]
+        assert [seq for seq, _ in batches] == list(range(len(batches)))
+        assert sorted(e.block_hashes[0] for e in events if type(e).__name__ == "BlockStored") == \
+            sorted(m.block_hash for m in metas.values())
+        assert replayed(replay, len(batches)) == []
+        assert replayed(replay, len(batches) - 1) == batches[-1:]
+        deadline = time.monotonic() + 10
+        while stats(node)["events"]["replays_refused"] < 1:  # its own connection: it may come last
+            assert time.monotonic() < deadline, "the malformed request was never taken"
+            time.sleep(0.05)
+        junk.close(linger=0)
+        state = stats(node)["events"]
+        assert state["replays"] == 3 and state["replays_refused"] == 1 and state["replay_endpoint"] == replay
+        assert "kvtier_node_events_replays_total 3" in metrics(node)
+        engine.close()
+
+
+def test_a_replay_endpoint_without_an_events_endpoint_is_refused_at_start(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "node", "--socket", str(tmp_path / "n.sock"),
+                           "--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "--kv-events-replay-endpoint" in done.stderr and "--kv-events-endpoint" in done.stderr
+
+
 def test_the_node_metrics_listen_on_loopback_unless_an_address_is_given():
     from kvtier.node.metrics import serve_metrics
 

@@ -118,15 +118,29 @@ def _bytes_flag(value: str) -> int:
     return parsed
 
 
+def _positive_int(value: str) -> int:
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if parsed <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number > 0")
+    return parsed
+
+
 def _serve(args) -> None:
     if args.pool != "node":
         from kvtier.cli import servers
         return servers.serve(args.pool, args.memory)
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise SystemExit("kvtier serve node: --kv-events-replay-endpoint replays the events of "
+                         "--kv-events-endpoint: give both")
     from kvtier.node import server
     try:
         server.serve(args.socket, args.host_bytes, page_bytes=args.page_bytes, disk_dir=args.disk_dir,
                      disk_bytes=args.disk_bytes, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                     events_endpoint=args.kv_events_endpoint, events_topic=args.kv_events_topic)
+                     events_endpoint=args.kv_events_endpoint, topic=args.kv_events_topic,
+                     replay_endpoint=args.kv_events_replay_endpoint, buffer_batches=args.kv_events_buffer_batches)
     except (ValueError, OSError, RuntimeError) as error:  # a flag the server cannot use, a socket taken
         raise SystemExit(f"kvtier serve node: {error}") from None
 
@@ -260,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="node: publish the KV events of the node's blocks, once for every engine, on this ZMQ "
                             "endpoint (vLLM's format; e.g. tcp://127.0.0.1:5560; default: none)")
     serve.add_argument("--kv-events-topic", default="", help="node: the events' ZMQ topic")
+    serve.add_argument("--kv-events-replay-endpoint", default=None,
+                       help="node: answer replay requests (vLLM's protocol, a ZMQ ROUTER) on this endpoint, from the "
+                            "last --kv-events-buffer-batches batches (default: none)")
+    serve.add_argument("--kv-events-buffer-batches", type=_positive_int, default=10_000,
+                       help="node: published batches kept for replay")
     serve.set_defaults(run=_serve)
 
     proxy = commands.add_parser("proxy", help="OpenAI-compatible proxy: prefill instance, then decode instance")

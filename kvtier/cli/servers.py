@@ -163,13 +163,14 @@ class LocalNode:
 
     def __init__(self, socket_path: str, host_bytes: str = "64MiB", disk_dir: str | None = None,
                  page_bytes: str = "64KiB", log_path: str | None = None, disk_bytes: str = "1GiB",
-                 events_endpoint: str | None = None):
+                 events_endpoint: str | None = None, events_replay: str | None = None):
         self.socket_path, self.log_path = socket_path, log_path or os.devnull
         self.metrics_port = free_port()
         self.command = [sys.executable, "-m", "kvtier.cli", "serve", "node", "--socket", socket_path,
                         "--host-bytes", host_bytes, "--page-bytes", page_bytes, "--disk-bytes", disk_bytes,
                         "--metrics-port", str(self.metrics_port)] + (["--disk-dir", disk_dir] if disk_dir else []) + \
-            (["--kv-events-endpoint", events_endpoint] if events_endpoint else [])
+            (["--kv-events-endpoint", events_endpoint] if events_endpoint else []) + \
+            (["--kv-events-replay-endpoint", events_replay] if events_replay else [])
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -12,6 +12,9 @@ Events go out as vLLM's publisher sends them (a ZMQ PUB socket; frames: topic, a
 sequence number, a msgpack batch ``[timestamp, [event, ...]]``), so a router that reads engines'
 events reads the node's. The socket is used by one thread only, fed through a bounded queue: the
 server's threads never wait for it (a batch that finds the queue full is dropped, and counted).
+With a replay endpoint (a ZMQ ROUTER socket, vLLM's replay protocol), that thread keeps the last
+batches it published: a router that connects late, or lost some, asks for those from a sequence
+number on, and gets them, then an end marker (sequence -1, empty topic and payload).
 
 With a node disk, what the server announced is journaled beside its entries (``events.journal``,
 msgpack records: ``kvtier.scheduler.announcements.DiskJournal``): a server that restarts announces
@@ -24,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 
 import msgspec
 
@@ -34,6 +38,11 @@ logger = logging.getLogger("kvtier.node")
 QUEUE_BATCHES = 4096  # batches waiting for the socket; past them a batch is dropped (a router misses it)
 RESUBSCRIBE_S = 2.0  # how long a restarted server waits for its subscribers before it announces its disk
 MAX_EVENT = 64 << 10  # one block's encoded event; a longer one is no event of an engine's
+REPLAY_BATCHES = 10_000  # published batches kept for replay by default (vLLM's publisher keeps as many)
+# How often the publishing thread, waiting for a batch, looks for a replay request: a router's replay
+# waits at most this long, and an idle server wakes no more often than this.
+REPLAY_POLL_S = 0.05
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame set, as vLLM's publisher ends one
 
 
 class NodeEvents:
@@ -42,8 +51,8 @@ class NodeEvents:
     never published before its storage. ``held(name)``: whether the node holds an entry (under
     ``lock``); ``journal``: where to journal, with the names the node's disk held at start."""
 
-    def __init__(self, endpoint: str, topic: str, lock: threading.Lock, held,
-                 journal: tuple[str, list[str]] | None = None):
+    def __init__(self, endpoint: str, lock: threading.Lock, held, journal: tuple[str, list[str]] | None = None,
+                 topic: str = "", replay_endpoint: str | None = None, buffer_batches: int = REPLAY_BATCHES):
         try:
             import zmq
         except ImportError:
@@ -52,7 +61,7 @@ class NodeEvents:
         self._lock, self._held = lock, held
         self._queue: queue.Queue = queue.Queue(QUEUE_BATCHES)
         self._topic = topic.encode()
-        self.counters = {"events_published": 0, "events_dropped": 0}
+        self.counters = {"events_published": 0, "events_dropped": 0, "replays": 0, "replays_refused": 0}
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         try:
@@ -61,6 +70,17 @@ class NodeEvents:
             self._pub.close(linger=0)
             raise ValueError(f"--kv-events-endpoint {endpoint}: {error}") from None
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay, self.replay_endpoint = None, None
+        if replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)  # drops what a gone or slow client cannot take
+            try:
+                self._replay.bind(replay_endpoint)
+            except zmq.ZMQError as error:
+                self._replay.close(linger=0)
+                self._pub.close(linger=0)
+                raise ValueError(f"--kv-events-replay-endpoint {replay_endpoint}: {error}") from None
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)  # (seq, payload), for replay
         threading.Thread(target=self._publish_all, daemon=True, name="kvtier-node-events").start()
         self._journal = None
         if journal is not None:
@@ -117,7 +137,8 @@ class NodeEvents:
 
     def stats(self) -> dict:
         """Called under the server's lock, which guards what is announced."""
-        return {"endpoint": self.endpoint, "announced": len(self._removed), **self.counters}
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "announced": len(self._removed),
+                **self.counters}
 
     def _put(self, events: list[bytes]) -> None:
         if not events:
@@ -130,15 +151,42 @@ class NodeEvents:
     def _publish_all(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         seq = 0
-        while (events := self._queue.get()) is not None:
+        wait_s = REPLAY_POLL_S if self._replay is not None else None
+        while True:
+            try:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                events = self._queue.get(timeout=wait_s)
+            except queue.Empty:
+                continue
+            except Exception as error:  # a replay's fault: that router's, never the events' or the server's
+                logger.warning("kvtier node server: a KV events replay failed (%s)", error)
+                continue
+            if events is None:
+                return
             payload = encoder.encode([time.time(), [msgspec.Raw(event) for event in events]])
             try:
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             except Exception as error:  # the socket's fault ends the events, never the server
                 logger.warning("kvtier node server: KV events stopped (%s)", error)
                 return
+            self._buffer.append((seq, payload))
             seq += 1
             self.counters["events_published"] += len(events)
+
+    def _serve_replay(self) -> None:
+        """One replay request (client id, empty, 8-byte start sequence): the kept batches from it on."""
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            self.counters["replays_refused"] += 1
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self.counters["replays"] += 1
 
     def close(self) -> None:
         try:

@@ -51,6 +51,8 @@ def prometheus(stats: dict) -> str:
     if "events" in stats:
         for counter in ("events_published", "events_dropped"):
             metric(f"{counter}_total", "counter", "KV events " + counter[7:] + ".", [({}, stats["events"][counter])])
+        if stats["events"]["replay_endpoint"] is not None:
+            metric("events_replays_total", "counter", "Replay requests answered.", [({}, stats["events"]["replays"])])
     if "on_disk" in stats:
         metric("disk_bytes", "gauge", "Bytes of entries on the node's disk.", [({}, stats["on_disk"]["bytes"])])
         metric("disk_entries", "gauge", "Entries on the node's disk.", [({}, stats["on_disk"]["entries"])])

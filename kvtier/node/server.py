@@ -136,7 +136,7 @@ class _Watchers:
 class NodeServer:
     def __init__(self, socket_path: str, host_bytes: int, page_bytes: int = 64 << 10, disk_dir: str | None = None,
                  disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", events_endpoint: str | None = None, events_topic: str = ""):
+                 metrics_host: str = "127.0.0.1", events_endpoint: str | None = None, **event_options):
         if page_bytes <= 0 or page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {page_bytes}")
         num_pages = host_bytes // page_bytes
@@ -161,7 +161,7 @@ class NodeServer:
                          "disk_skipped": 0, "released_holds": 0}
         self._uid = os.geteuid()
         journal = (os.path.join(disk_dir, "events.journal"), self.disk.names()) if self.disk else None
-        self.events = NodeEvents(events_endpoint, events_topic, self.lock, self._holds, journal) \
+        self.events = NodeEvents(events_endpoint, self.lock, self._holds, journal, **event_options) \
             if events_endpoint else None
         self._listener = listen(self.socket_path)
         self._closing = False
@@ -409,6 +409,8 @@ def serve(socket_path: str, host_bytes: int, **options) -> None:
     print(f"node_socket: {server.socket_path}", flush=True)
     if server.events is not None:
         print(f"kv_events: {server.events.endpoint}", flush=True)
+        if server.events.replay_endpoint is not None:
+            print(f"kv_events_replay: {server.events.replay_endpoint}", flush=True)
     if server.metrics is not None:
         print(f"metrics: http://127.0.0.1:{server.metrics.server_address[1]}/metrics", flush=True)
     try:
