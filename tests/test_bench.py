@@ -75,3 +75,10 @@ def test_bench_node_reports_every_promised_key_and_each_hit_from_where_it_says(t
     served = result["served_tokens"]
     expected = served.pop("expected_per_kind")
     assert served == dict.fromkeys(served, expected)
+    # (b)'s breakdown: the node's hit reads from the server; B's own host hit, copied in the step of
+    # its forward, reads nothing and waits for no report and no resumption.
+    from kvtier.scheduler.hit_times import PHASES
+    node_hit, own = result["phase_s"]["node_b_hit_on_a"], result["phase_s"]["node_b_own_host_hit"]
+    assert list(node_hit) == list(own) == list(PHASES)
+    assert node_hit["read"] > 0 and node_hit["forward"] > 0 and own["forward"] > 0
+    assert own["read"] == own["report"] == own["resume"] == 0

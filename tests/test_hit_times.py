@@ -144,3 +144,28 @@ def test_a_hit_copied_within_its_step_waits_for_no_report_and_no_resumption(time
     follow(times, clock, req="s", job=2)  # a hit loaded beside the steps is not counted among them
     assert times.num_requests == 2 and times.num_in_step == 1 and times.in_step_seconds["forward"] == pytest.approx(0.016)
     assert times.num_followed == 0
+
+
+def test_a_hit_copied_within_its_step_that_ends_there_counts_once_its_report_is_told(times, clock):
+    """One output token: vLLM ends the request in the step of its in-step copy, before it tells the
+    step's output with the copy's report; the hit counts then, and nothing stays followed."""
+    times.asked("r", arrival_wall=1000.0)
+    times.answered("r", loads=True)
+    times.sent("r", 1, in_step=True)
+    times.scheduled("r")
+    sent = clock.now
+    clock.now = sent + 0.020
+    times.finished("r", has_token=True)
+    assert times.num_requests == 0 and times.num_followed == 2  # its timeline, and its job
+    times.reported([JobReport(1, True, True, began_at=sent + 0.003, filled_at=sent + 0.003,
+                              finished_at=sent + 0.004)])
+    times.completed([1])
+    assert times.num_requests == 1 == times.num_in_step and times.num_followed == 0
+    assert times.seconds["copy"] == pytest.approx(0.001) and times.seconds["forward"] == pytest.approx(0.016)
+    assert times.seconds["report"] == times.seconds["resume"] == 0
+    times.asked("s", arrival_wall=1000.0)  # one that ends with no token, its copy in flight: no account
+    times.answered("s", loads=True)
+    times.sent("s", 2, in_step=True)
+    times.finished("s", has_token=False)
+    times.completed([2])
+    assert times.num_requests == 1 and times.num_followed == 0

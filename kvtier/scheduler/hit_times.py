@@ -41,6 +41,7 @@ class _Timeline:
     filled: float = 0.0  # the last any worker's reads were answered
     copied: float = 0.0  # the last any worker's copies ended
     in_step: bool = False  # loaded within the step of its forward: no report or resume waited for
+    ended: bool = False  # it ended with its first token before its in-step copy's report was told
 
 
 class HitTimes:
@@ -114,6 +115,8 @@ class HitTimes:
                 marks["report"] = timeline.copied if timeline.in_step else self._clock()
                 if timeline.in_step:
                     marks["resume"] = timeline.copied
+                if timeline.ended:
+                    self.first_token(req_id)
 
     def scheduled(self, req_id: str) -> None:
         """The engine schedules the request's tokens this step."""
@@ -156,6 +159,12 @@ class HitTimes:
 
     def finished(self, req_id: str, has_token: bool) -> None:
         """The request ended: with a first token (it may end in that token's step), its phases count."""
+        timeline = self._timelines.get(req_id)
+        if has_token and timeline is not None and timeline.in_step and timeline.jobs:
+            # Its one step copied, computed and ended it; the copy's report rides that step's output,
+            # which vLLM tells after it ended the request: its phases count with the report.
+            timeline.ended = True
+            return
         if has_token:
             self.first_token(req_id)
         self._drop(req_id)

@@ -41,6 +41,13 @@ def _served(run: dict, name: str, tier: str) -> int:
     return sum(p["kvtier_delta"].get(f"hit_tokens_{tier}", 0) for p in run["phases"] if p["name"] == name)
 
 
+def _median_phases(run: dict, name: str) -> dict[str, float]:
+    """Where a hit's time to first token went (``kvtier.scheduler.hit_times``), phase by phase: each
+    phase's median over the counted prompts (one hit each)."""
+    phases = [p["kvtier_delta"]["hit_phase_seconds"] for p in run["phases"] if p["name"] == name][1:]
+    return {phase: statistics.median(p[phase] for p in phases) for phase in phases[0]}
+
+
 def main(args) -> dict:
     size = QUICK if args.quick else FULL
     workdir = Path(args.workdir).resolve()
@@ -90,6 +97,9 @@ def main(args) -> dict:
             "c_after_restart_vs_embedded_disk_hit_after_restart":
                 ttft["node_after_restart"] / ttft["embedded_disk_hit_after_restart"],
         },
+        # Where (b)'s two hits spend their time: what the node's hit adds, phase by phase.
+        "phase_s": {"node_b_hit_on_a": _median_phases(b, "hit on A's"),
+                    "node_b_own_host_hit": _median_phases(b, "own host hit")},
         # Where each kind of hit came from (tokens over every prompt, the warm-up one included).
         "served_tokens": {
             "embedded_host_hit": _served(own, "host hit", "host"),
@@ -115,5 +125,9 @@ def main(args) -> dict:
                          f"{ms['node_after_restart']} / {ms['node_a_host_hit']} ({r['c_after_restart_vs_warm_host_hit']:.2f}x)"),
                         ("(c) after a restart, node / embedded disk hit",
                          f"{ms['node_after_restart']} / {ms['embedded_disk_hit_after_restart']} "
-                         f"({r['c_after_restart_vs_embedded_disk_hit_after_restart']:.2f}x)")])
+                         f"({r['c_after_restart_vs_embedded_disk_hit_after_restart']:.2f}x)")] + [
+                        (f"(b) phase {phase}: on A's / own",
+                         f"{result['phase_s']['node_b_hit_on_a'][phase] * 1e3:.1f} / "
+                         f"{result['phase_s']['node_b_own_host_hit'][phase] * 1e3:.1f} ms")
+                        for phase in result["phase_s"]["node_b_hit_on_a"]])
     return result

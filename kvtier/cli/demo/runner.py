@@ -203,6 +203,8 @@ def main(spec_path: str, out_path: str) -> None:
                 key: after[key] - before[key] for key in after if key.startswith("hit_tokens_") or key == "miss_tokens"}
             record["kvtier_delta"].update({f"{key}": after["stats"][key] - before["stats"][key]
                                            for key in ("load_bytes", "store_bytes", "loaded_blocks", "stored_blocks")})
+            record["kvtier_delta"]["hit_phase_seconds"] = {
+                phase: seconds - before["hit_phase_seconds"][phase] for phase, seconds in after["hit_phase_seconds"].items()}
             record["kvtier_delta"]["misses"] = {reason: n - before["misses"].get(reason, 0)
                                                 for reason, n in after["misses"].items()
                                                 if n != before["misses"].get(reason, 0)}
