@@ -512,6 +512,13 @@ def test_a_router_that_connects_late_has_the_node_replay_its_events(tmp_path):
         state = stats(node)["events"]
         assert state["replays"] == 3 and state["replays_refused"] == 1 and state["replay_endpoint"] == replay
         assert "kvtier_node_events_replays_total 3" in metrics(node)
+        # ``kvtier doctor --node-socket`` says where the node's events go and what it announced.
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--json", "--node-socket", node.socket_path,
+                               "--kv-transfer-config", json.dumps({"kv_connector_extra_config": {"disk_dir": None}})],
+                              capture_output=True, text=True, timeout=120)
+        report = json.loads(done.stdout[done.stdout.index("{"):])
+        (check,) = [c for c in report["checks"] if c["name"] == "node server"]
+        assert check["ok"] and f"KV events: on {endpoint}, replayed on {replay}, 3 blocks announced" in check["detail"]
         engine.close()
 
 

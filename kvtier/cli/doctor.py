@@ -199,6 +199,10 @@ def node_report(path: str, timeout_s: float) -> tuple[Check, dict | None]:
               f"{sum(s['hits'] for s in spaces)} hits ({sum(s['hits_other_engine'] for s in spaces)} on another "
               f"engine's entries), {len(stats['engines']) - 1} other engines connected; disk: "
               + (f"{disk['entries']} entries, {disk['bytes'] >> 20} of {disk['max_bytes'] >> 20} MiB" if disk else "none"))
+    events = stats.get("events")
+    detail += "; KV events: " + (
+        f"on {events['endpoint']}" + (f", replayed on {events['replay_endpoint']}" if events["replay_endpoint"] else "")
+        + f", {events['announced']} blocks announced, {events['events_dropped']} events dropped" if events else "none")
     return Check("node server", True, detail, time.monotonic() - began), stats
 
 
