@@ -200,9 +200,12 @@ def node_report(path: str, timeout_s: float) -> tuple[Check, dict | None]:
               f"engine's entries), {len(stats['engines']) - 1} other engines connected; disk: "
               + (f"{disk['entries']} entries, {disk['bytes'] >> 20} of {disk['max_bytes'] >> 20} MiB" if disk else "none"))
     events = stats.get("events")
-    detail += "; KV events: " + (
-        f"on {events['endpoint']}" + (f", replayed on {events['replay_endpoint']}" if events["replay_endpoint"] else "")
-        + f", {events['announced']} blocks announced, {events['events_dropped']} events dropped" if events else "none")
+    if events is None:
+        detail += "; KV events: none"
+    else:
+        replayed = f", replayed on {events['replay_endpoint']}" if events["replay_endpoint"] else ""
+        detail += (f"; KV events: on {events['endpoint']}{replayed}, {events['announced']} blocks announced, "
+                   f"{events['events_dropped']} events dropped")
     return Check("node server", True, detail, time.monotonic() - began), stats
 
 

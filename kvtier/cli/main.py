@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--kv-events-replay-endpoint", default=None,
                        help="node: answer replay requests (vLLM's protocol, a ZMQ ROUTER) on this endpoint, from the "
                             "last --kv-events-buffer-batches batches (default: none)")
-    serve.add_argument("--kv-events-buffer-batches", type=_positive_int, default=10_000,
-                       help="node: published batches kept for replay")
+    serve.add_argument("--kv-events-buffer-batches", type=_positive_int, default=None,
+                       help="node: published batches kept for replay (default: 10,000)")
     serve.set_defaults(run=_serve)
 
     proxy = commands.add_parser("proxy", help="OpenAI-compatible proxy: prefill instance, then decode instance")

@@ -52,7 +52,7 @@ class NodeEvents:
     ``lock``); ``journal``: where to journal, with the names the node's disk held at start."""
 
     def __init__(self, endpoint: str, lock: threading.Lock, held, journal: tuple[str, list[str]] | None = None,
-                 topic: str = "", replay_endpoint: str | None = None, buffer_batches: int = REPLAY_BATCHES):
+                 topic: str = "", replay_endpoint: str | None = None, buffer_batches: int | None = None):
         try:
             import zmq
         except ImportError:
@@ -80,7 +80,8 @@ class NodeEvents:
                 self._pub.close(linger=0)
                 raise ValueError(f"--kv-events-replay-endpoint {replay_endpoint}: {error}") from None
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)  # (seq, payload), for replay
+        # (seq, payload) of the last batches published, for replay
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches or REPLAY_BATCHES)
         threading.Thread(target=self._publish_all, daemon=True, name="kvtier-node-events").start()
         self._journal = None
         if journal is not None:
@@ -153,14 +154,16 @@ class NodeEvents:
         seq = 0
         wait_s = REPLAY_POLL_S if self._replay is not None else None
         while True:
-            try:
-                if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
+            if self._replay is not None:
+                try:
+                    if self._replay.poll(0):
+                        self._serve_replay()
+                except Exception as error:  # a replay's fault: that router's, never the events' or the server's
+                    self.counters["replays_refused"] += 1
+                    logger.warning("kvtier node server: a KV events replay failed (%s)", error)
+            try:  # also what paces this loop: a replay socket that keeps failing never makes it spin
                 events = self._queue.get(timeout=wait_s)
             except queue.Empty:
-                continue
-            except Exception as error:  # a replay's fault: that router's, never the events' or the server's
-                logger.warning("kvtier node server: a KV events replay failed (%s)", error)
                 continue
             if events is None:
                 return
