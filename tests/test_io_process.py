@@ -1,6 +1,7 @@
 """kvtier's I/O process: storage I/O off the engine's interpreter, crash isolation,
 progress without engine steps, flushing at shutdown, and nothing left behind."""
 
+import gc
 import logging
 import os
 import signal
@@ -67,6 +68,22 @@ def test_storage_io_runs_in_a_process_of_its_own(disk_dir):
     assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"kvtier.io.process"]
     engine.close()
     assert _wait_until(lambda: not _alive(pid), 5)
+
+
+def test_a_closed_worker_unmaps_its_host_pool_without_the_cyclic_garbage_collector(disk_dir):
+    """One engine after another in one process: each one's pool is unmapped when its worker is
+    dropped, not whenever the garbage collector next looks for cycles."""
+    engine = Engine(layouts()[0][1], disk_dir)
+    start = f"{engine.worker.host_buffer.data_ptr():x}-"
+    mapped = lambda: any(line.startswith(start) for line in Path("/proc/self/maps").read_text().splitlines())
+    assert mapped()
+    gc.disable()
+    try:
+        engine.close()
+        del engine
+        assert not mapped()
+    finally:
+        gc.enable()
 
 
 def test_a_store_reaches_disk_with_no_poll_and_no_engine_step(disk_dir):

@@ -51,8 +51,10 @@ class Engine:
     """Drives a TierManager and a TierWorker the way the vLLM connector does."""
 
     def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, kind=None, track_holdings=False, **config):
-        probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None}, environ={}), tensors, NB, BS, NAMESPACE,
-                           layout_kind=kind)
+        # The probe's pool holds the whole KV cache, hence at least a block, and no more than it needs.
+        whole_cache = sum(t.untyped_storage().nbytes() for t in tensors)
+        probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None, "host_bytes": whole_cache}, environ={}),
+                           tensors, NB, BS, NAMESPACE, layout_kind=kind)
         slot_bytes, rank_fingerprint = probe.layout.slot_bytes, probe.rank_fingerprint
         probe.close()
         self.config = KVTierConfig.from_sources({

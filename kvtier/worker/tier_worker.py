@@ -75,8 +75,10 @@ class TierWorker:
                             config.shutdown_flush_s) if specs else None
         wrapping.build_parts(self.layout, self.tensors, host_slots)
         job_blocks = blocks_per_job(specs, self.layout.slot_bytes)
+        # A weak method: a worker held only by its own load path would wait for the cyclic garbage
+        # collector, and with it the host pool's memory (one engine after another in one process).
         self.loads = wrapping.load_path(self.book, self.io, config.load_timeout_s, self.num_layers, job_blocks,
-                                        self._advance, check_in_copy=self.transfers.takes_checksums)
+                                        _weakly(self._advance), check_in_copy=self.transfers.takes_checksums)
         self.stores = wrapping.store_path(self.book, self.io, config.remote_timeout_s, self.num_layers, job_blocks,
                                           abandon_s=config.load_timeout_s + config.remote_timeout_s)
         wrapping.attach(self.loads, self.stores)  # before any job: the paths call their parts from the first
@@ -247,6 +249,17 @@ class TierWorker:
         for part in self.wrapping.parts:
             part.close(max(0.0, deadline - time.monotonic()))
         self.memory.close()
+
+
+def _weakly(method):
+    """``method``, called while its object lives; nothing once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+    return call
 
 
 def at_exit(obj, method: str) -> None:
