@@ -21,3 +21,23 @@ _worker = os.environ.get("PYTEST_XDIST_WORKER")
 if _worker and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     _cores = sorted(os.sched_getaffinity(0))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_worker.removeprefix("gw")) % len(_cores)])
+
+
+# kvtier's shared memory, by the names it gives its memory files.
+_SHARED = ("/memfd:kvtier-host-pool", "/memfd:kvtier-node-pool")
+
+
+def _mapped() -> set[str]:
+    """kvtier's shared mappings in this process, each as its address range and name."""
+    with open("/proc/self/maps") as maps:
+        return {f"{line.split()[0]} {line.split()[-2]}" for line in maps if any(name in line for name in _SHARED)}
+
+
+@pytest.fixture(autouse=True)
+def nothing_mapped_after_the_test():
+    """A test ends with every host pool and node arena it mapped unmapped, without the cyclic garbage
+    collector: a worker, server or client that is closed and dropped gives its memory back."""
+    before = _mapped()
+    yield
+    if left := sorted(_mapped() - before):
+        pytest.fail(f"still mapped after the test: {left}", pytrace=False)

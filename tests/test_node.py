@@ -12,8 +12,12 @@ import textwrap
 import time
 import urllib.request
 
+import msgspec
 import pytest
 import torch
+import zmq
+# At collection: importing it keeps the importing frames alive, and with them a test's engines.
+from vllm.distributed.kv_events import KVEventBatch
 
 from kvtier.cli.servers import local_node
 from kvtier.common.config import ConfigError, KVTierConfig
@@ -353,10 +357,6 @@ class Published:
     """A ZMQ subscriber to the node's KV events, decoded by vLLM's own ``KVEventBatch``."""
 
     def __init__(self, endpoint: str):
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
@@ -428,6 +428,8 @@ def test_the_node_publishes_each_entrys_kv_events_once_for_all_its_engines(tmp_p
         state = stats(node)
         assert state["events"]["events_published"] == 6 and state["events"]["announced"] == 0
         assert "kvtier_node_events_published_total 6" in metrics(node)
+        for engine in engines:
+            engine.close()
 
 
 def test_a_restarted_node_server_announces_what_its_disk_still_holds(tmp_path):
@@ -456,7 +458,6 @@ def test_a_restarted_node_server_announces_what_its_disk_still_holds(tmp_path):
 
 def replayed(endpoint: str, start_seq: int, timeout: float = 10.0) -> list[tuple[int, bytes]]:
     """vLLM's replay protocol, as a router speaks it: (seq, payload) of the batches from ``start_seq``."""
-    import zmq
 
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.connect(endpoint)
@@ -479,10 +480,6 @@ def test_a_router_that_connects_late_has_the_node_replay_its_events(tmp_path):
     endpoint for everything from sequence 0 and reads each block's storage, as vLLM's replay protocol
     hands it (a later start sequence, only what followed); a malformed request gets no answer and
     leaves the endpoint serving."""
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch
-
     from kvtier.cli.servers import free_port
 
     endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))

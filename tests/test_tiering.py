@@ -248,6 +248,7 @@ def test_an_idle_step_waits_for_a_load_whose_copy_is_over_until_its_report_is_in
     reports = second.worker.poll()
     assert len(reports) == 1 and reports[0].success
     second.manager.on_reports(reports)
+    del second.worker.loads.copied  # the stand-in holds the load path that holds it
     second.close()
 
 

@@ -249,3 +249,6 @@ class Loop:
         self.worker_connector.shutdown()
         self.connector.shutdown()
         kv_transfer_state._KV_CONNECTOR_AGENT = None
+        # vLLM's scheduler and this loop hold each other: dropped now, the host pool goes with them,
+        # not at the garbage collector's next look for cycles.
+        self.__dict__.clear()
