@@ -51,7 +51,7 @@ class Engine:
     """Drives a TierManager and a TierWorker the way the vLLM connector does."""
 
     def __init__(self, tensors, disk_dir, host_blocks=16, disk_blocks=64, kind=None, track_holdings=False, **config):
-        # The probe's pool holds the whole KV cache, hence at least a block, and no more than it needs.
+        # The probe's pool is the size of the KV cache's storage: at least a block, and far from 1 GiB.
         whole_cache = sum(t.untyped_storage().nbytes() for t in tensors)
         probe = TierWorker(KVTierConfig.from_sources({"disk_dir": None, "host_bytes": whole_cache}, environ={}),
                            tensors, NB, BS, NAMESPACE, layout_kind=kind)
