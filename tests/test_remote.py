@@ -1,13 +1,16 @@
-"""The storage-pool tiers against a real redis-server and a real mooncake_master, on loopback."""
+"""The storage-pool tiers against a real redis-server, a real Redis Cluster and a real mooncake_master, on loopback."""
 
 import itertools
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvtier.cli.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis, local_redis_cluster
 from kvtier.common.config import KVTierConfig
 from kvtier.common.entry import HEADER_BYTES, encode_header
 from kvtier.common.keys import Namespace
@@ -20,10 +23,25 @@ NB, BS = 32, 4
 NAMESPACE = Namespace("remote-test", "bfloat16", "kv", (1, 8), 2, BS)
 
 
-@pytest.fixture(params=["redis", "mooncake"])
+def start_pool(kind: str, tmp_path):
+    if kind == "redis-cluster":
+        return local_redis_cluster(str(tmp_path), log_path=str(tmp_path / "pool.log"))
+    return (local_redis if kind == "redis" else local_mooncake)(log_path=str(tmp_path / "pool.log"))
+
+
+def raw_redis(url: str):
+    """redis-py's own client of a ``redis://`` or ``redis+cluster://`` pool, to act behind kvtier's back."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    if "+cluster" in url:
+        return RedisCluster.from_url(url.replace("+cluster", ""))
+    return redis.Redis.from_url(url)
+
+
+@pytest.fixture(params=["redis", "redis-cluster", "mooncake"])
 def pool(request, tmp_path):
-    context = local_redis if request.param == "redis" else local_mooncake
-    with context(log_path=str(tmp_path / "pool.log")) as server:
+    with start_pool(request.param, tmp_path) as server:
         yield server
 
 
@@ -120,8 +138,9 @@ def test_a_pool_entry_evicted_between_lookup_and_load_is_a_miss_but_not_shunned(
     assert reader.lookup(keys_of([1, 2]), token="first") == 2
     name = pool_key(writer.worker.rank_fingerprint, keys_of([1])[0])
     if pool.url.startswith("redis"):
-        import redis
-        assert redis.Redis.from_url(pool.url).delete(name) == 1
+        raw = raw_redis(pool.url)
+        assert raw.delete(name) == 1
+        raw.close()
     else:
         from kvtier.tiers.mooncake import MooncakeClient
         raw = MooncakeClient(pool.url, 10.0)
@@ -130,7 +149,7 @@ def test_a_pool_entry_evicted_between_lookup_and_load_is_a_miss_but_not_shunned(
     report = reader.run(reader.manager.plan_load("first", keys_of([1, 2]), [5, 6]), reader.worker.submit_load)
     assert report.failed_block_ids == [5] and not report.bad_keys and report.gone_keys == keys_of([1])
     assert reader.manager.stats.bad_entries == 0 and reader.manager.stats.failed_load_blocks == 1
-    tier = pool.url.split(":")[0]  # "redis" or "mooncake": the tier's name
+    tier = "redis" if pool.url.startswith("redis") else "mooncake"  # the tier's name: its kind's
     reader.manager.ledger.forget("first")  # the request ends: its failed block was recomputed
     assert reader.manager.ledger.misses == {f"evicted_{tier}": reader.manager.ledger.block_tokens}
     assert reader.manager.ledger.gone(keys_of([1])[0]) == f"evicted_{tier}"  # a later miss of it says so too
@@ -160,6 +179,55 @@ def test_a_pool_that_is_down_costs_bounded_time_and_comes_back(tmp_path):
         assert other.lookup(keys_of([6])) == 1
         instance.close()
         other.close()
+
+
+def test_a_redis_cluster_node_that_goes_down_costs_bounded_time_and_the_pool_comes_back(tmp_path):
+    """One master of three killed: lookups, stores and loads through the cluster fail within the
+    pool's timeout (recompute), not after redis-py's own tries again; once the node is back and the
+    cluster is ok, the pool is used again."""
+    import redis
+    from redis.cluster import key_slot
+
+    from kvtier.cli.servers import REDIS_CLUSTER_SLOTS
+
+    with local_redis_cluster(str(tmp_path), log_path=str(tmp_path / "cluster.log")) as cluster:
+        writer, reader = Instance(cluster.url), Instance(cluster.url)
+        keys = keys_of(range(1, 13))
+        assert writer.run(writer.manager.plan_store("a", keys, list(range(1, 13))), writer.worker.submit_store).success
+        assert reader.lookup(keys, token="before") == 12
+        # The master of the first block's slot goes: its share of the slots is served by nobody.
+        slot = key_slot(pool_key(writer.worker.rank_fingerprint, keys[0]).encode())
+        down = slot * len(cluster.procs) // REDIS_CLUSTER_SLOTS
+        command, _ = cluster.commands[down]
+        os.killpg(cluster.procs[down].pid, signal.SIGKILL)
+        cluster.procs[down].wait()
+        began = time.monotonic()
+        report = reader.run(reader.manager.plan_load("before", keys, list(range(13, 25))), reader.worker.submit_load)
+        assert not report.success and 13 in report.failed_block_ids  # recomputed
+        assert time.monotonic() - began < 2.5  # the pool's timeout (1 s), not redis-py's tries again
+        began = time.monotonic()
+        assert reader.lookup(keys, token="during") < 12
+        report = writer.run(writer.manager.plan_store("b", keys_of([40, 41]), [25, 26]), writer.worker.submit_store)
+        assert report.failed_writes == {"redis": keys_of([40, 41])}  # counted, not raised
+        assert time.monotonic() - began < 2.5
+        assert writer.manager.host.num_pins == 0 and reader.manager.host.num_pins == 0
+        with open(tmp_path / "cluster.log", "a") as log:  # the same node again: its slots and its port
+            cluster.procs[down] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        nodes = [redis.Redis(host="127.0.0.1", port=port) for port in cluster.ports]
+        while not all(node.execute_command("CLUSTER INFO").get("cluster_state") == "ok" for node in nodes):
+            assert time.monotonic() < deadline, "the cluster did not heal"
+            time.sleep(0.1)
+        for node in nodes:
+            node.close()
+        time.sleep(1.1)  # remote_retry_s: then kvtier connects again
+        report = writer.run(writer.manager.plan_store("c", keys_of([50, 51, 52]), [27, 28, 29]),
+                            writer.worker.submit_store)
+        assert report.success and not report.failed_writes
+        third = Instance(cluster.url)
+        assert third.lookup(keys_of([50, 51, 52]), token="after") == 3
+        for instance in (writer, reader, third):
+            instance.close()
 
 
 def test_what_redis_evicts_or_expires_on_its_own_reaches_the_index_as_it_happens(tmp_path):
@@ -281,7 +349,7 @@ def test_an_entry_stored_again_before_its_eviction_notice_is_heard_is_not_told_g
         assert told[1] == ["kvtier/a/02"] and notices.num_told == len(told[0]) + 1
 
 
-@pytest.fixture(params=["redis", "mooncake", "file"])
+@pytest.fixture(params=["redis", "redis-cluster", "mooncake", "file"])
 def shared_tier(request, tmp_path):
     """A shared tier of each kind, and how to drop an entry from it as the tier itself would (an
     eviction, another instance's size bound): behind this instance's back, with no notice."""
@@ -291,12 +359,9 @@ def shared_tier(request, tmp_path):
         (tmp_path / "shared").mkdir()
         yield f"file://{tmp_path / 'shared'}", lambda fp, key: entry_path(tmp_path / "shared", fp, key).unlink()
         return
-    context = local_redis if request.param == "redis" else local_mooncake
-    with context(log_path=str(tmp_path / "pool.log")) as server:
-        if request.param == "redis":
-            import redis
-
-            raw = redis.Redis.from_url(server.url)  # a DEL publishes no eviction notice
+    with start_pool(request.param, tmp_path) as server:
+        if request.param.startswith("redis"):
+            raw = raw_redis(server.url)  # a DEL publishes no eviction notice
             yield server.url, lambda fp, key: raw.delete(pool_key(fp, key))
         else:
             from kvtier.tiers.mooncake import MooncakeClient

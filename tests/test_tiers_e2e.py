@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis, local_redis_cluster
 from kvtier.tiers.disk import entries_in
 from tests.damage import flip_byte
 from tests.e2e import apps
@@ -62,13 +62,16 @@ def tier(kind: str, tmp_path: Path):
         yield {**base, "disk_dir": str(tmp_path / "disk")}
     elif kind == "file":
         yield {**base, "remote_url": f"file://{tmp_path / 'shared'}"}
+    elif kind == "redis-cluster":
+        with local_redis_cluster(str(tmp_path), log_path=str(tmp_path / f"{kind}.log")) as server:
+            yield {**base, "remote_url": server.url}
     else:
         context = local_redis if kind == "redis" else local_mooncake
         with context(log_path=str(tmp_path / f"{kind}.log")) as server:
             yield {**base, "remote_url": server.url}
 
 
-@pytest.mark.parametrize("kind", ["disk", "file", "redis", "mooncake"])
+@pytest.mark.parametrize("kind", ["disk", "file", "redis", "redis-cluster", "mooncake"])
 def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(workdir, model, references, kind,
                                                                              tmp_path):
     """Three processes on one tier, each exiting right after its last request. The first (the worker
@@ -86,7 +89,8 @@ def test_a_prompt_stored_just_before_exit_is_served_whole_by_the_next_process(wo
         assert out["cached"] == FULL_BLOCKS * BLOCK  # every full block came from the tier
         assert out["tokens"] == reference
     # kvtier's state can be read in the one-process layout
-    assert third["phases"][0]["kvtier_delta"][f"hit_tokens_{kind}"] == FULL_BLOCKS * BLOCK
+    name = kind.removesuffix("-cluster")  # a tier is named by its kind: redis+cluster:// is "redis"
+    assert third["phases"][0]["kvtier_delta"][f"hit_tokens_{name}"] == FULL_BLOCKS * BLOCK
     assert third["kvtier"]["verify_failures"] == 0 and third["kvtier"]["host_pins"] == 0
     assert third["kvtier"]["engine_requests"] == 0  # vLLM got every request's blocks back
     # A tier asked off the scheduler's thread: the steps that computed nothing meanwhile waited for its answer.

@@ -1,8 +1,8 @@
 """Start a local Mooncake master or Redis server on loopback (tests, demos, the documented commands).
 
 ``kvtier serve mooncake`` and ``kvtier serve redis`` run one in the foreground;
-``local_mooncake()`` / ``local_redis()`` are context managers that start one on
-free ports and stop it on exit, yielding the ``remote_url`` to give kvtier.
+``local_mooncake()`` / ``local_redis()`` / ``local_redis_cluster()`` are context managers that
+start one on free ports and stop it on exit, yielding the ``remote_url`` to give kvtier.
 """
 
 from __future__ import annotations
@@ -129,6 +129,44 @@ def local_redis(log_path: str | None = None, password: str | None = None, maxmem
                          f"redis://{auth}127.0.0.1:{port}/0", "redis", log_path)
     server.start()
     try:
+        yield server
+    finally:
+        server.stop()
+
+
+REDIS_CLUSTER_SLOTS = 16384
+
+
+@contextlib.contextmanager
+def local_redis_cluster(folder: str, log_path: str | None = None, masters: int = 3, maxmemory: str = "1gb"):
+    """A Redis Cluster of ``masters`` nodes (no replicas) on loopback, its state in ``folder``: each node
+    is given an equal share of the hash slots, the nodes meet, and it is yielded once every node says
+    the cluster is ok. Its ``url`` is ``redis+cluster://`` of the first node (the client finds the rest)."""
+    import redis
+
+    ports = [free_port() for _ in range(masters)]
+    buses = [free_port() for _ in range(masters)]  # not the default, port + 10000: past 65535 for a high free port
+    commands = [(redis_command(port, maxmemory=maxmemory) + [
+        "--cluster-enabled", "yes", "--cluster-config-file", os.path.join(folder, f"redis-cluster-{port}.conf"),
+        "--cluster-port", str(bus), "--cluster-node-timeout", "5000"], port)  # a node stopped is failed in 5 s
+        for port, bus in zip(ports, buses)]
+    server = LocalServer(commands, f"redis+cluster://127.0.0.1:{ports[0]}", "redis-cluster", log_path)
+    server.ports = ports
+    server.start()
+    try:
+        nodes = [redis.Redis(host="127.0.0.1", port=port, socket_timeout=10) for port in ports]
+        for i, node in enumerate(nodes):
+            first, last = REDIS_CLUSTER_SLOTS * i // masters, REDIS_CLUSTER_SLOTS * (i + 1) // masters
+            node.execute_command("CLUSTER ADDSLOTS", *range(first, last))
+        for port, bus in zip(ports[1:], buses[1:]):
+            nodes[0].execute_command("CLUSTER MEET", "127.0.0.1", port, bus)
+        deadline = time.monotonic() + 30
+        while not all(node.execute_command("CLUSTER INFO").get("cluster_state") == "ok" for node in nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Redis Cluster on ports {ports} did not come up within 30 s")
+            time.sleep(0.1)
+        for node in nodes:
+            node.close()
         yield server
     finally:
         server.stop()

@@ -171,10 +171,14 @@ class RedisClient(PoolClient):
         options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._cluster = parsed.scheme.endswith("+cluster")
         if self._cluster:
+            from redis.backoff import NoBackoff
             from redis.cluster import RedisCluster
+            from redis.retry import Retry
 
             plain = urlunparse(parsed._replace(scheme=parsed.scheme.replace("+cluster", "")))
-            self._client = RedisCluster.from_url(plain, **options)
+            # One try per call: redis-py would otherwise try a failed node again (and again after a cut,
+            # ``abort``), past ``timeout_s``; the pool's breaker retries after ``retry_s`` instead.
+            self._client = RedisCluster.from_url(plain, retry=Retry(NoBackoff(), 0), **options)
         else:
             self._client = redis.Redis.from_url(url, **options)
         self._client.ping()
