@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.servers import local_mooncake, local_redis
+from kvtier.cli.servers import local_mooncake, local_redis, local_redis_cluster
 from tests.e2e import apps
 
 pytestmark = pytest.mark.vllm
@@ -53,9 +53,10 @@ def pool_extra(url, **more):
             "remote_retry_s": 2.0, "verify_loads": True, **more}
 
 
-@pytest.mark.parametrize("pool", ["mooncake", "redis"])
+@pytest.mark.parametrize("pool", ["mooncake", "redis", "redis-cluster"])
 def test_prefill_decode_disaggregation_through_the_pool(workdir, model, reference, pool, tmp_path):
-    context = local_mooncake if pool == "mooncake" else local_redis
+    context = {"mooncake": local_mooncake, "redis": local_redis,
+               "redis-cluster": lambda **options: local_redis_cluster(str(tmp_path), **options)}[pool]
     tokens = PROMPTS["pd"]
     with context(log_path=str(tmp_path / "pool.log")) as server:
         producer = run_app(workdir, f"producer-{pool}", {
