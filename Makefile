@@ -22,6 +22,7 @@ demo: $(STAMP)
 # on two workers: the tests without an engine first (some time what kvtier does, so no engine runs
 # beside them), then the engine tests, a test file each at a time (an engine run is mostly one busy
 # thread and waits: start-up imports, vLLM's shutdown). Each test's time is kept in kvtier-out/*.xml.
+# The scheduler-level checks (one process each, no model) run beside the two releases' smoke runs.
 test: $(STAMP)
 	@mkdir -p kvtier-out
 	@(bash scripts/setup_vllm_releases.sh $(RELEASES) && bash scripts/setup_vllm_releases.sh --wheel-only \
@@ -33,8 +34,9 @@ test: $(STAMP)
 	[ $$code -ne 0 ] || code=$$engines; \
 	wait $$setup; setup_code=$$?; cat kvtier-out/releases-setup.log; \
 	[ $$code -eq 0 ] || exit $$code; [ $$setup_code -eq 0 ] || exit $$setup_code; \
-	bash scripts/check_vllm_releases.sh $(SCHEDULER_RELEASES); checks=$$?; \
-	bash scripts/smoke_vllm_releases.sh $(RELEASES) && exit $$checks
+	bash scripts/check_vllm_releases.sh $(SCHEDULER_RELEASES) > kvtier-out/checks.log 2>&1 & checks=$$!; \
+	bash scripts/smoke_vllm_releases.sh $(RELEASES); smoke=$$?; \
+	wait $$checks; checks=$$?; cat kvtier-out/checks.log; [ $$smoke -eq 0 ] && exit $$checks; exit $$smoke
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm and not releases"
