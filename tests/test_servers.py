@@ -52,3 +52,16 @@ def test_the_local_pools_servers_listen_on_loopback_only(kind, tmp_path):
     theirs = [line.split()[3] for line in listening.splitlines() if any(f"pid={pid}," in line for pid in pids)]
     assert len(theirs) >= (3 if kind == "mooncake" else 1)  # metadata, RPC, metrics
     assert all(address.startswith("127.0.0.1:") for address in theirs), theirs
+
+
+def test_a_server_that_does_not_come_up_stops_those_started_before_it(tmp_path):
+    """A pool of several processes (Mooncake's, a Redis Cluster's) whose second one exits at once:
+    the first is stopped, not left listening."""
+    from kvtier.cli.servers import LocalServer, free_port, redis_command
+
+    port = free_port()
+    server = LocalServer([(redis_command(port), port), ([sys.executable, "-c", "raise SystemExit(3)"], free_port())],
+                         f"redis://127.0.0.1:{port}/0", "two", str(tmp_path / "log"))
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        server.start()
+    assert server.procs == [] and not _listening(port)

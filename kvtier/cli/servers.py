@@ -88,12 +88,17 @@ class LocalServer:
 
     def start(self) -> "LocalServer":
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # loopback only
-        for command, port in self.commands:
-            log = open(self.log_path, "a")
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-            log.close()
-            self.procs.append(proc)
-            _wait_for_port(port, proc, os.path.basename(command[0]))
+        try:
+            for command, port in self.commands:
+                log = open(self.log_path, "a")
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=env)
+                log.close()
+                self.procs.append(proc)
+                _wait_for_port(port, proc, os.path.basename(command[0]))
+        except BaseException:  # one that did not come up: those started before it are stopped, not left running
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
