@@ -104,6 +104,27 @@ def test_three_engines_sharing_a_system_prompt_hold_it_once_in_memory_and_once_o
         engine.close()
 
 
+def test_a_client_maps_an_arena_on_huge_pages_whole_as_it_connects(node):
+    """Where the server put its arena on huge pages, a client maps all of it at once, an entry per 2 MiB
+    (an engine's first hits fault nothing in); elsewhere it maps the pages as it first reads them.
+    Its copies, across pages and from buffers of any kind, are byte-exact."""
+    from kvtier.io.pages import huge_bytes
+
+    client = NodeClient(node.socket_path, 5.0)
+    assert huge_bytes(client._arena) == (client.arena_bytes if client.huge else 0)
+    payloads = [os.urandom(n) for n in (1, client.page_bytes - 64, client.page_bytes, 3 * client.page_bytes + 5)]
+    names = [f"kvtier/bb/{i:02x}" for i in range(len(payloads))]
+    assert client.put(names, [bytes(range(64))] * len(names), payloads) == [True] * len(names)  # read-only bytes
+    heads = [bytearray(64) for _ in names]
+    bodies = [bytearray(len(payload)) for payload in payloads]
+    assert client.get_into(names + ["kvtier/bb/ff"], heads + [bytearray(64)], bodies + [bytearray(1)]) == \
+        [True] * len(names) + [None]
+    assert heads == [bytearray(range(64))] * len(names) and [bytes(b) for b in bodies] == payloads
+    with pytest.raises(ValueError, match="writable"):  # nothing is copied into memory it may not write
+        client.get_into(names[:1], [bytes(64)], [bytes(1)])
+    client.close()
+
+
 def test_arena_pins_writes_and_release_follow_their_holders():
     arena = Arena(8, 100)
     a, b = Holder("a"), Holder("b")
@@ -153,7 +174,7 @@ _KILLED_CLIENT = textwrap.dedent("""
     client = NodeClient(sys.argv[1], 5.0)
     if sys.argv[2] == "store":  # reserve, fill half, die before the commit
         (pages,) = client._ask(p.Reserve(["kvtier/aa/01"], [3 * client.page_bytes]), p.Reserved).pages
-        client._pages(3 * client.page_bytes, pages)[0][:] = b"\\x07" * client.page_bytes
+        p.entry_views(client._memory, client.page_bytes, 3 * client.page_bytes, pages)[0][:] = b"\\x07" * client.page_bytes
     else:  # pin and die before the copy ends
         assert client._ask(p.Pin(["kvtier/aa/02"]), p.Pinned).entries[0] is not None
     print("ready", flush=True)

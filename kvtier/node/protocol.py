@@ -40,6 +40,9 @@ class Welcome(msgspec.Struct, tag=True):
     version: int
     arena_bytes: int
     page_bytes: int  # the arena's memory file comes with this message
+    # The arena lies on huge pages: a client maps all of it at once, a page-table entry per 2 MiB,
+    # rather than page by page on its first reads (an engine's first hit after a start).
+    huge: bool = False
 
 
 class Exists(msgspec.Struct, tag=True):
@@ -138,19 +141,24 @@ def receive(sock: socket.socket):
         raise BadFrame(str(error)) from None
 
 
-def entry_views(memory: memoryview, page_bytes: int, size: int, pages) -> list[memoryview]:
-    """An entry's ``size`` bytes as they lie in the arena ``memory``, page by page; ``BadFrame`` for pages
-    that do not hold it (outside the arena, too few)."""
-    views, left = [], size
+def entry_runs(arena_bytes: int, page_bytes: int, size: int, pages) -> list[tuple[int, int]]:
+    """Where an entry's ``size`` bytes lie in an arena of ``arena_bytes``, page by page: (offset, bytes)
+    each; ``BadFrame`` for pages that do not hold it (outside the arena, too few)."""
+    runs, left = [], size
     for page in pages:
         start, n = page * page_bytes, min(page_bytes, left)
-        if n <= 0 or page < 0 or start + n > len(memory):
+        if n <= 0 or page < 0 or start + n > arena_bytes:
             raise BadFrame(f"page {page} does not hold {size} bytes of an entry in this arena")
-        views.append(memory[start:start + n])
+        runs.append((start, n))
         left -= n
     if left:
         raise BadFrame("an entry's pages are shorter than its bytes")
-    return views
+    return runs
+
+
+def entry_views(memory: memoryview, page_bytes: int, size: int, pages) -> list[memoryview]:
+    """An entry's bytes as they lie in the arena ``memory``, page by page (``entry_runs``)."""
+    return [memory[start:start + n] for start, n in entry_runs(len(memory), page_bytes, size, pages)]
 
 
 def send_welcome(sock: socket.socket, welcome: Welcome, fd: int) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import queue
 import signal
@@ -34,6 +33,7 @@ import socket
 import stat
 import threading
 
+from kvtier.io.pages import HUGE_PAGE, make_huge, map_shared
 from kvtier.node import protocol as p
 from kvtier.node.arena import Arena, Holder
 from kvtier.node.disk import NodeDisk
@@ -133,6 +133,14 @@ class _Watchers:
                 watcher.sock.close()
 
 
+def _map_arena(fd: int, num_bytes: int) -> tuple[memoryview, bool]:
+    """The arena, mapped, and whether all of it lies on huge pages: where the kernel gives them, taken
+    now (as an engine's own host pool is), so that each client maps it at once with one entry per
+    2 MiB (``Welcome.huge``)."""
+    arena = map_shared(fd, num_bytes)
+    return memoryview(arena).cast("B"), make_huge(arena) >= num_bytes // HUGE_PAGE * HUGE_PAGE > 0
+
+
 class NodeServer:
     def __init__(self, socket_path: str, host_bytes: int, page_bytes: int = 64 << 10, disk_dir: str | None = None,
                  disk_bytes: int = 16 << 30, disk_threads: int = 2, metrics_port: int | None = None,
@@ -146,8 +154,7 @@ class NodeServer:
         self.arena_bytes = num_pages * page_bytes
         self.fd = os.memfd_create("kvtier-node-pool", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.arena_bytes)
-        self._map = mmap.mmap(self.fd, self.arena_bytes)
-        self._memory = memoryview(self._map)
+        self._memory, self.huge = _map_arena(self.fd, self.arena_bytes)
         self.arena = Arena(num_pages, page_bytes)
         self.lock = threading.Lock()  # the index, the watchers, the counters
         self.disk = NodeDisk(disk_dir, disk_bytes) if disk_dir else None
@@ -170,8 +177,9 @@ class NodeServer:
 
     # --- the socket --------------------------------------------------------------
     def serve_forever(self) -> None:
-        logger.info("kvtier node server on %s: %d MiB host pool in %d pages of %d KiB, disk %s",
+        logger.info("kvtier node server on %s: %d MiB host pool in %d pages of %d KiB (%s), disk %s",
                     self.socket_path, self.arena_bytes >> 20, self.arena.num_pages, self.arena.page_bytes >> 10,
+                    "on huge pages" if self.huge else "on 4 KiB pages: each client maps them as it first reads them",
                     f"{self.disk.root} ({self.disk.num_entries} entries)" if self.disk else "none")
         while not self._closing:
             try:
@@ -206,7 +214,7 @@ class NodeServer:
                 self._refuse(sock, f"expected Hello of protocol version {p.VERSION}")
                 return
             sock.settimeout(SEND_TIMEOUT_S)  # receives block as long as the client is quiet: see _next
-            p.send_welcome(sock, p.Welcome(p.VERSION, self.arena_bytes, self.arena.page_bytes), self.fd)
+            p.send_welcome(sock, p.Welcome(p.VERSION, self.arena_bytes, self.arena.page_bytes, self.huge), self.fd)
             if hello.watch is not None:
                 self.watchers.serve(sock, hello.watch)
                 return

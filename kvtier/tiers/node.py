@@ -11,8 +11,8 @@ for the copy, a write reserves pages, copies, then commits, so no reader ever se
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -21,6 +21,10 @@ import time
 from typing import Sequence
 from urllib.parse import unquote, urlparse
 
+import numpy as np
+
+from kvtier._native import copy_runs
+from kvtier.io.pages import map_for_writing, map_shared
 from kvtier.node import protocol as p
 from kvtier.tiers.base import TierKind, TierSpec
 from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_index, outside_calls, pool_key
@@ -70,11 +74,14 @@ class NodeClient(PoolClient):
         self.path = path
         self.sock, welcome, fd = connect(path, timeout_s)
         try:
-            self._map = mmap.mmap(fd, welcome.arena_bytes)
+            # An arena on huge pages is mapped whole now, an entry per 2 MiB; one on 4 KiB pages is mapped
+            # as its pages are first read (all of it now would cost each client page tables for all of it).
+            self._arena = (map_for_writing if welcome.huge else map_shared)(fd, welcome.arena_bytes)
         finally:
             os.close(fd)
-        self._memory = memoryview(self._map)
-        self.page_bytes = welcome.page_bytes
+        self._address = ctypes.addressof(self._arena)
+        self._memory = memoryview(self._arena).cast("B")
+        self.arena_bytes, self.page_bytes, self.huge = welcome.arena_bytes, welcome.page_bytes, welcome.huge
         self._lock = threading.Lock()  # one exchange at a time on the socket; copies run outside it
 
     def _ask(self, request, answer_type):
@@ -89,9 +96,11 @@ class NodeClient(PoolClient):
         with self._lock:
             p.send(self.sock, message)
 
-    def _pages(self, size: int, pages: Sequence[int]) -> list[memoryview]:
+    def _runs(self, size: int, pages: Sequence[int]) -> list[tuple[int, int]]:
+        """The entry's (address, bytes) in this client's mapping of the arena, page by page."""
         try:
-            return p.entry_views(self._memory, self.page_bytes, size, pages)
+            return [(self._address + offset, n) for offset, n in p.entry_runs(self.arena_bytes, self.page_bytes,
+                                                                               size, pages)]
         except p.BadFrame as error:  # a server out of step: this call fails, the pool is marked down
             raise PoolUnavailable(str(error)) from None
 
@@ -109,15 +118,18 @@ class NodeClient(PoolClient):
         return stored
 
     def _put(self, names, headers, payloads) -> list[bool]:
-        sizes = [len(h) + len(b) for h, b in zip(headers, payloads)]
+        spans = _spans(headers, payloads)
+        sizes = [n for header, payload in spans for n in [header[1] + payload[1]]]
         reserved = self._ask(p.Reserve(list(names), sizes), p.Reserved).pages
         mine = [i for i, pages in enumerate(reserved) if pages]
         ok = []
         try:
+            moves = _Moves()
             for i in mine:
-                _copy((headers[i], payloads[i]), self._pages(sizes[i], reserved[i]))
-                ok.append(True)
-        finally:  # a copy that failed half-way is let go unseen (so is all of it, should this connection break)
+                moves.add(spans[i], self._runs(sizes[i], reserved[i]))
+            moves.run()
+            ok = [True] * len(mine)
+        finally:  # a batch whose copy failed is let go unseen (so is all of it, should this connection break)
             ok += [False] * (len(mine) - len(ok))
             self._tell(p.Commit([names[i] for i in mine], ok))
         # Held already ([]) counts as stored; None: not taken now (no room, or another engine writes it).
@@ -131,18 +143,21 @@ class NodeClient(PoolClient):
         return found
 
     def _get(self, names, headers, payloads) -> list[bool | None]:
+        spans = _spans(headers, payloads, into=True)
         entries = self._ask(p.Pin(list(names)), p.Pinned).entries
         pinned = [name for name, entry in zip(names, entries) if entry is not None]
         found: list[bool | None] = []
         try:
-            for header, payload, entry in zip(headers, payloads, entries):
+            moves = _Moves()
+            for (header, payload), entry in zip(spans, entries):
                 if entry is None:
                     found.append(None)
-                elif entry[0] != len(header) + len(payload):
+                elif entry[0] != header[1] + payload[1]:
                     found.append(False)  # another size: not this layout's entry
                 else:
-                    _copy(self._pages(*entry), (header, payload))
+                    moves.add(self._runs(*entry), (header, payload))
                     found.append(True)
+            moves.run()
         finally:
             if pinned:
                 self._tell(p.Unpin(pinned))  # after the copies: the pages are the server's to reuse again
@@ -160,28 +175,54 @@ class NodeClient(PoolClient):
     def close(self) -> None:
         self.sock.close()
         self._memory.release()
-        self._map.close()
+        self._arena = None  # unmapped with its last view
 
 
-def _copy(sources, targets) -> None:
-    """Copy the concatenation of ``sources`` into the concatenation of ``targets`` (as long): an entry's
-    header and payload into its pages, or its pages into a header and a payload."""
-    sources = [_bytes(s) for s in sources]
-    s, offset = 0, 0
-    for target in map(_bytes, targets):
-        done = 0
-        while done < target.nbytes:
-            source = sources[s]
-            n = min(target.nbytes - done, source.nbytes - offset)
-            target[done:done + n] = source[offset:offset + n]
-            done, offset = done + n, offset + n
-            if offset == source.nbytes:
-                s, offset = s + 1, 0
+def _spans(headers, payloads, into: bool = False) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each entry's header and payload as (address, bytes): from ``Spans`` (host slots), or from each
+    buffer (contiguous; ``into``: read into, so writable)."""
+    header_at = getattr(headers, "addresses", None) or [_where(h, into) for h in headers]
+    payload_at = getattr(payloads, "addresses", None) or [_where(b, into) for b in payloads]
+    return [((h_at, memoryview(h).nbytes), (b_at, memoryview(b).nbytes))
+            for h, b, h_at, b_at in zip(headers, payloads, header_at, payload_at)]
 
 
-def _bytes(buffer) -> memoryview:
+def _where(buffer, into: bool) -> int:
+    """Where a contiguous buffer's bytes lie (they stay there while the caller holds it: for the call)."""
     view = memoryview(buffer)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    if into and view.readonly:
+        raise ValueError("a node read needs writable buffers to read into")
+    return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+
+
+class _Moves:
+    """A batch's copies, gathered as runs and done in one call without the GIL (``copy_runs``): the
+    batch's two I/O threads then copy side by side, where a copy per buffer under the GIL would not."""
+
+    def __init__(self):
+        self.dst: list[int] = []
+        self.src: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, sources, targets) -> None:
+        """Copy the concatenation of ``sources`` into that of ``targets`` (as long), each (address, bytes):
+        an entry's header and payload into its pages, or its pages into a header and a payload."""
+        s, offset = 0, 0
+        for address, size in targets:
+            done = 0
+            while done < size:
+                source, length = sources[s]
+                n = min(size - done, length - offset)
+                self.dst.append(address + done)
+                self.src.append(source + offset)
+                self.lengths.append(n)
+                done, offset = done + n, offset + n
+                if offset == length:
+                    s, offset = s + 1, 0
+
+    def run(self) -> None:
+        if self.lengths:
+            copy_runs.copy(*(np.array(runs, np.int64) for runs in (self.dst, self.src, self.lengths)))
 
 
 def watch_gone(spec: TierSpec, prefixes, tell) -> None:
