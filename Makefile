@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 --junitxml=kvtier-out/tests.xml \
 	  -m "not vllm and not releases" -n 2; code=$$?; \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 --junitxml=kvtier-out/engine-tests.xml \
-	  -m vllm -n 2 --dist loadfile; engines=$$?; \
+	  -m vllm -n 2 --dist loadfile --no-loadscope-reorder; engines=$$?; \
 	[ $$code -ne 0 ] || code=$$engines; \
 	wait $$setup; setup_code=$$?; cat kvtier-out/releases-setup.log; \
 	[ $$code -eq 0 ] || exit $$code; [ $$setup_code -eq 0 ] || exit $$setup_code; \

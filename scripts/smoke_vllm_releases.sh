@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # kvtier on other vLLM releases, end to end: a hit in one process, a restart served from
-# disk, prefill/decode through Redis and a Redis Cluster, a layer-wise run and a sliding-window model, each with outputs compared with
+# disk, prefill/decode through Redis, a layer-wise run and a sliding-window model, each with outputs compared with
 # the same release's no-connector run. Prints the compatibility table from this run.
 # Usage: scripts/smoke_vllm_releases.sh 0.30.0 0.31.0 (after scripts/setup_vllm_releases.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke='served_twice or new_process_serves_the_prefix or layerwise or prompt_logprobs or (disaggregation and redis) or sliding_window_layers_alone'
-what="hit in one process, restart served from disk, prefill/decode through Redis and a Redis Cluster, layer-wise, prompt logprobs, sliding-window layers alone"
+smoke='served_twice or new_process_serves_the_prefix or layerwise or prompt_logprobs or (disaggregation and redis and not cluster) or sliding_window_layers_alone'
+what="hit in one process, restart served from disk, prefill/decode through Redis, layer-wise, prompt logprobs, sliding-window layers alone"
 mkdir -p kvtier-out
 # The releases run side by side (their engines are mostly one thread each), each in a temporary
 # folder of its own; their logs are printed in order when both have ended.

@@ -23,6 +23,18 @@ if _worker and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_worker.removeprefix("gw")) % len(_cores)])
 
 
+# ``make test`` hands the engine tests to its two workers a file at a time, in collection order
+# (``--no-loadscope-reorder``): the files that take longest go first, so that the last files to end, while
+# the other worker may have nothing left, are short ones. The rest keep their order.
+_LONGEST_FIRST = ("test_tiers_e2e.py", "test_vllm_e2e.py", "test_readme_commands.py", "test_pool_e2e.py",
+                  "test_node_e2e.py", "test_bench_serve.py", "test_events_e2e.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
+
+
 # kvtier's shared memory, by the names it gives its memory files.
 _SHARED = ("/memfd:kvtier-host-pool", "/memfd:kvtier-node-pool")
 
