@@ -158,8 +158,8 @@ def local_redis_cluster(folder: str, log_path: str | None = None, masters: int =
     server = LocalServer(commands, f"redis+cluster://127.0.0.1:{ports[0]}", "redis-cluster", log_path)
     server.ports = ports
     server.start()
+    nodes = [redis.Redis(host="127.0.0.1", port=port, socket_timeout=10) for port in ports]
     try:
-        nodes = [redis.Redis(host="127.0.0.1", port=port, socket_timeout=10) for port in ports]
         for i, node in enumerate(nodes):
             first, last = REDIS_CLUSTER_SLOTS * i // masters, REDIS_CLUSTER_SLOTS * (i + 1) // masters
             node.execute_command("CLUSTER ADDSLOTS", *range(first, last))
@@ -174,6 +174,8 @@ def local_redis_cluster(folder: str, log_path: str | None = None, masters: int =
             node.close()
         yield server
     finally:
+        for node in nodes:  # closed already, or the cluster did not come up
+            node.close()
         server.stop()
 
 

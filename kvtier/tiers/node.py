@@ -119,12 +119,12 @@ class NodeClient(PoolClient):
 
     def _put(self, names, headers, payloads) -> list[bool]:
         spans = _spans(headers, payloads)
-        sizes = [n for header, payload in spans for n in [header[1] + payload[1]]]
+        sizes = [header[1] + payload[1] for header, payload in spans]
         reserved = self._ask(p.Reserve(list(names), sizes), p.Reserved).pages
         mine = [i for i, pages in enumerate(reserved) if pages]
         ok = []
         try:
-            moves = _Moves()
+            moves = _Moves(self._arena)
             for i in mine:
                 moves.add(spans[i], self._runs(sizes[i], reserved[i]))
             moves.run()
@@ -148,7 +148,7 @@ class NodeClient(PoolClient):
         pinned = [name for name, entry in zip(names, entries) if entry is not None]
         found: list[bool | None] = []
         try:
-            moves = _Moves()
+            moves = _Moves(self._arena)
             for (header, payload), entry in zip(spans, entries):
                 if entry is None:
                     found.append(None)
@@ -199,7 +199,10 @@ class _Moves:
     """A batch's copies, gathered as runs and done in one call without the GIL (``copy_runs``): the
     batch's two I/O threads then copy side by side, where a copy per buffer under the GIL would not."""
 
-    def __init__(self):
+    def __init__(self, arena):
+        if arena is None:
+            raise PoolUnavailable("the node client is closed")
+        self._arena = arena  # the copies go by address: the mapping stays until they are done, closed or not
         self.dst: list[int] = []
         self.src: list[int] = []
         self.lengths: list[int] = []
