@@ -1,5 +1,6 @@
 """The node cache server (``kvtier serve node``) as a real process, reached as the ``node://`` tier."""
 
+import itertools
 import json
 import os
 import random
@@ -61,6 +62,21 @@ def metrics(node) -> str:
     return urllib.request.urlopen(node.metrics_url, timeout=5).read().decode()
 
 
+def answered_at_once(engine, keys, hits: int, timeout=10.0) -> bool:
+    """Whether the engine's node index comes to answer a lookup of ``keys`` with ``hits`` leading hits at
+    once, without a check sent to the node (a new request each time): once the node has told it what it
+    holds. (The index alone: a block the engine loaded is a hit in its own host pool too.)"""
+    index, deadline = engine.manager.tiers[0], time.monotonic() + timeout
+    for attempt in itertools.count():
+        checks = index.num_checks
+        found = index.lookup(keys, f"once-{attempt}")
+        if found is not None and (found + [False]).index(False) == hits and index.num_checks == checks:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def node(tmp_path):
     with local_node(str(tmp_path), log_path=str(tmp_path / "node.log")) as server:
@@ -71,6 +87,7 @@ def test_what_one_engine_stores_is_a_byte_exact_hit_for_another_and_never_for_an
     a, b = Engine(node), Engine(node)
     blocks = [3, 4, 9]
     assert a.store([1, 2, 3], blocks).success
+    assert answered_at_once(b, keys_of([1, 2, 3, 4]), 3)  # as soon as the node told B's index
     assert b.lookup(keys_of([1, 2, 3, 4])) == 3
     job = b.manager.plan_load("r", keys_of([1, 2, 3]), [20, 21, 22])
     assert job.fill_from == ["node"] * 3
@@ -375,6 +392,31 @@ def test_what_the_node_evicts_from_memory_without_a_disk_its_engines_hear_at_onc
         state = stats(node)
         assert sum(s["evictions"] for s in state["namespaces"].values()) == 8 == index.num_told_gone
         engine.close()
+
+
+def test_an_engine_answers_lookups_from_what_the_node_tells_it_holds_and_asks_again_once_the_node_is_gone(tmp_path):
+    with local_node(str(tmp_path), host_bytes="1MiB", disk=False) as node:  # 16 pages: 16 entries
+        a, b = Engine(node), Engine(node)
+        assert a.store(range(0, 12), list(range(12))).success
+        assert answered_at_once(b, keys_of(range(0, 14)), 12)  # A's entries, then the misses
+        assert answered_at_once(b, keys_of([500]), 0)
+        assert b.manager.lookup(keys_of(range(0, 12)), "r") == 12
+        job = b.manager.plan_load("r", keys_of(range(0, 12)), list(range(20, 32)))
+        assert job.fill_from == ["node"] * 12 and b.run(job, b.worker.submit_load).success
+        for x, y in zip(a.tensors, b.tensors):
+            assert torch.equal(x[:12].view(torch.int16), y[20:32].view(torch.int16))
+        assert a.store(range(12, 24), list(range(12))).success  # the node evicts the 8 oldest
+        assert answered_at_once(b, keys_of(range(8, 24)), 16) and answered_at_once(b, keys_of([0]), 0)
+        node.stop()
+        index, deadline = b.manager.tiers[0], time.monotonic() + 10
+        for attempt in itertools.count():  # what the node told stands only while it is up: then it is asked
+            if index.lookup(keys_of([10]), f"after-{attempt}") is None:
+                break
+            assert time.monotonic() < deadline, "the lost node was never noticed"
+            time.sleep(0.05)
+        assert b.manager.host.num_pins == 0
+        for engine in (a, b):
+            engine.close()
 
 
 class Published:

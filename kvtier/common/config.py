@@ -237,7 +237,8 @@ KEYS: dict[str, _Key] = {
     "disk_io_threads": _Key(
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
         "Threads per tier in kvtier's I/O process (its own interpreter), at least 2: that many of a tier's "
-        "I/O jobs (about 4 MiB of entries each, 32 MiB on Mooncake; read or written in order) run side by side."),
+        "I/O jobs (about 4 MiB of entries each, 32 MiB on Mooncake and the node; read or written in order) run side "
+        "by side."),
     "copy_threads": _Key(
         2, _parse_int, lambda v: 1 <= v <= 64, "an integer from 1 to 64",
         "Threads that copy blocks between the engine's KV cache and the host pool (CPU device)."),

@@ -30,7 +30,8 @@ import time
 from typing import Callable, Sequence
 
 from kvtier.common.host_slots import HostSlots
-from kvtier.io.messages import Exists, FrameReader, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import (Exists, FrameReader, Flush, Flushed, Found, Gone, Held, Job, Outcome, Ready, Setup,
+                                receive, send)
 from kvtier.tiers.base import TierSpec, unavailable
 
 logger = logging.getLogger("kvtier.io")
@@ -130,8 +131,8 @@ class IOProcess:
         self._news = threading.Event()  # set each time answers are taken (``wait_until``)
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
-        # A lookup process's news (``Gone``): called with the names, on whichever thread takes answers.
-        self.on_gone: Callable[[list[str]], None] | None = None
+        # A lookup process's news (``Gone``, ``Held``): called with it, on whichever thread takes answers.
+        self.on_news: Callable[[Gone | Held], None] | None = None
         self._start()
 
     @property
@@ -280,9 +281,11 @@ class IOProcess:
                     entry[1](message.reasons)
                 else:
                     entry[1](message.reasons, message.checksums)
-            elif isinstance(message, Gone):
-                if self.on_gone is not None:
-                    self.on_gone(message.names)
+            elif isinstance(message, (Gone, Held)) and self.on_news is not None:
+                try:
+                    self.on_news(message)
+                except Exception:  # the index's fault: the answers after it are still taken
+                    logger.exception("kvtier: a lookup process's news could not be taken in")
             elif isinstance(message, Flushed):
                 self._flushed = message
                 self._flush_done.set()

@@ -77,6 +77,14 @@ class Gone(msgspec.Struct, tag=True):
     names: list[str]
 
 
+class Held(msgspec.Struct, tag=True):
+    """A lookup process's news: entries its tier's server holds (``kvtier.tiers.node``); ``names``
+    None: what it told before stands no more."""
+    tier: str
+    names: list[str] | None
+    complete: bool = False
+
+
 class Flush(msgspec.Struct, tag=True):
     timeout_s: float
 
@@ -86,7 +94,7 @@ class Flushed(msgspec.Struct, tag=True):
     dropped: int  # jobs still queued or running at the deadline
 
 
-Message = Setup | Ready | Job | Outcome | Exists | Found | Gone | Flush | Flushed
+Message = Setup | Ready | Job | Outcome | Exists | Found | Gone | Held | Flush | Flushed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

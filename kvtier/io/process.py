@@ -40,7 +40,7 @@ import threading
 import time
 
 from kvtier.common.host_slots import HostSlots
-from kvtier.io.messages import Exists, Flush, Flushed, Found, Gone, Job, Outcome, Ready, Setup, receive, send
+from kvtier.io.messages import Exists, Flush, Flushed, Found, Gone, Held, Job, Outcome, Ready, Setup, receive, send
 from kvtier.io.pages import map_for_writing
 from kvtier.tiers.base import SharedStore, TierSpec, bad, unavailable
 from kvtier.tiers.registry import make_store
@@ -112,7 +112,8 @@ class _Server:
             threading.Thread(target=store.connect, daemon=True, name="kvtier-io-connect").start()
         if memory_fd < 0:  # a lookup process: what a pool's server drops on its own, its index hears at once
             for name, store in shared.items():
-                store.watch_gone(lambda names, tier=name: self._answer(Gone(tier, names)))
+                store.watch_gone(lambda names, tier=name: self._answer(Gone(tier, names)),
+                                 lambda names, complete, tier=name: self._answer(Held(tier, names, complete)))
 
     def _answer(self, message) -> None:
         try:

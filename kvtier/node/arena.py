@@ -187,6 +187,9 @@ class Arena:
         entry = self._entries.get(name)
         return entry is not None and entry.writer is None
 
+    def ready_names(self) -> list[str]:
+        return [name for name, entry in self._entries.items() if entry.writer is None]
+
     def pages_of(self, name: str) -> tuple[int, list[int]]:
         entry = self._entries[name]
         return entry.size, entry.pages

@@ -9,7 +9,7 @@ out of them, then ``Unpin``. Whatever a connection holds is let go when it close
 the entries it reserved but did not commit, which no reader ever saw.
 
 Every request but ``Commit``, ``Unpin`` and ``Announce`` gets exactly one answer, in order; a ``Watch``
-connection gets ``Gone`` notices instead, unasked. A frame that does not decode, a message out of
+connection gets ``Held`` and ``Gone`` notices instead, unasked. A frame that does not decode, a message out of
 protocol or one that breaks a bound gets ``Refused`` and a closed connection.
 """
 
@@ -24,7 +24,7 @@ import msgspec
 
 from kvtier.io.messages import recv_exactly
 
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 8 << 20  # names and page lists of one batch; a longer length is no frame of ours
 MAX_BATCH = 4096  # names per request
 _LENGTH = struct.Struct("<I")
@@ -33,7 +33,7 @@ _LENGTH = struct.Struct("<I")
 class Hello(msgspec.Struct, tag=True):
     version: int
     engine: str  # who is asking, for metrics: the engine process's id on this node
-    watch: list[str] | None = None  # a ``Watch`` connection: name prefixes whose removals it hears
+    watch: list[str] | None = None  # a ``Watch`` connection: name prefixes whose entries it hears of
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -101,12 +101,19 @@ class Gone(msgspec.Struct, tag=True):
     names: list[str]  # entries the node no longer holds (evicted), under a watched prefix
 
 
+class Held(msgspec.Struct, tag=True):
+    """Entries the node holds, under a watched prefix: first every one it held as the watcher came, in
+    batches, the last one ``complete``; then each as it is stored."""
+    names: list[str]
+    complete: bool = False
+
+
 class Refused(msgspec.Struct, tag=True):
     why: str
 
 
 Message = Hello | Welcome | Exists | Found | Reserve | Reserved | Commit | Pin | Pinned | Unpin | Stats | StatsReply | \
-    Announce | Gone | Refused
+    Announce | Gone | Held | Refused
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

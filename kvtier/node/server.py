@@ -32,6 +32,7 @@ import signal
 import socket
 import stat
 import threading
+from typing import Callable
 
 from kvtier.io.pages import HUGE_PAGE, make_huge, map_shared
 from kvtier.node import protocol as p
@@ -74,19 +75,30 @@ class _Watcher:
     def __init__(self, sock: socket.socket, prefixes: list[str]):
         self.sock, self.prefixes = sock, tuple(prefixes)
         self.queue: queue.Queue = queue.Queue(WATCH_QUEUE)
-        threading.Thread(target=self._send_all, daemon=True, name="kvtier-node-watch").start()
 
-    def tell(self, names: list[str]) -> bool:
+    def start(self, held: Callable[[], list[str]]) -> None:
+        threading.Thread(target=self._send_all, args=(held,), daemon=True, name="kvtier-node-watch").start()
+
+    def tell(self, notice: type, names: list[str]) -> bool:
         mine = [name for name in names if name.startswith(self.prefixes)]
         if not mine:
             return True
         try:
-            self.queue.put_nowait(p.Gone(mine))
+            self.queue.put_nowait(notice(mine))
             return True
         except queue.Full:
             return False
 
-    def _send_all(self) -> None:
+    def _send_all(self, held: Callable[[], list[str]]) -> None:
+        # What the node holds is taken once the watcher is registered (``start``): a change after it is
+        # told after it; one between the registration and it is in both, told twice, to the same effect.
+        try:
+            mine = [name for name in held() if name.startswith(self.prefixes)]
+            for start in range(0, len(mine), p.MAX_BATCH):
+                p.send(self.sock, p.Held(mine[start:start + p.MAX_BATCH]))
+            p.send(self.sock, p.Held([], complete=True))
+        except OSError:
+            return
         while True:
             message = self.queue.get()
             if message is None:
@@ -98,11 +110,13 @@ class _Watcher:
 
 
 class _Watchers:
-    """The connections that listen for removals (``Watch``), each through its own queue and sender."""
+    """The connections that listen for what the node holds and drops (``Watch``), each through its own
+    queue and sender. ``held``: the names the node holds now."""
 
-    def __init__(self):
+    def __init__(self, held: Callable[[], list[str]]):
         self._lock = threading.Lock()
         self._all: set[_Watcher] = set()
+        self._held = held
 
     def __len__(self) -> int:
         return len(self._all)
@@ -112,6 +126,7 @@ class _Watchers:
         watcher = _Watcher(sock, [str(x) for x in prefixes])
         with self._lock:
             self._all.add(watcher)
+        watcher.start(self._held)
         try:
             sock.settimeout(None)
             while p.receive(sock) is not None:
@@ -123,13 +138,14 @@ class _Watchers:
                 self._all.discard(watcher)
             watcher.queue.put(None)
 
-    def tell(self, names: list[str]) -> None:
+    def tell(self, notice: type, names: list[str]) -> None:
+        """``notice``: ``p.Held`` or ``p.Gone``, told to each watcher of a prefix of some of ``names``."""
         if not names:
             return
         with self._lock:
             watchers = list(self._all)
         for watcher in watchers:
-            if not watcher.tell(names):  # it does not read its notices: dropped, never waited for
+            if not watcher.tell(notice, names):  # it does not read its notices: dropped, never waited for
                 watcher.sock.close()
 
 
@@ -154,15 +170,12 @@ class NodeServer:
         self.arena_bytes = num_pages * page_bytes
         self.fd = os.memfd_create("kvtier-node-pool", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.arena_bytes)
-        self._memory, self.huge = _map_arena(self.fd, self.arena_bytes)
+        self.memory, self.huge = _map_arena(self.fd, self.arena_bytes)
         self.arena = Arena(num_pages, page_bytes)
         self.lock = threading.Lock()  # the index, the watchers, the counters
         self.disk = NodeDisk(disk_dir, disk_bytes) if disk_dir else None
-        self._disk_holder = Holder("node-disk")
-        self._disk_jobs: queue.Queue = queue.Queue(DISK_QUEUE)
-        for i in range(disk_threads if self.disk else 0):
-            threading.Thread(target=self._write_through, daemon=True, name=f"kvtier-node-disk-{i}").start()
-        self.watchers = _Watchers()
+        self._writer = _WriteThrough(self, disk_threads) if self.disk else None
+        self.watchers = _Watchers(self._held)
         self._connections: dict[int, Holder] = {}  # socket fd -> holder, the engines connected now
         self.counters = {"connections": 0, "refused_uid": 0, "refused_protocol": 0, "disk_reads": 0,
                          "disk_skipped": 0, "released_holds": 0}
@@ -246,7 +259,7 @@ class NodeServer:
                     evicted = self.arena.take_evicted()
                     if all(other.engine != holder.engine for other in self._connections.values()):
                         self.arena.depart(holder.engine)
-                self._gone(evicted)
+                self.gone(evicted)
             sock.close()
 
     def _next(self, sock: socket.socket):
@@ -311,23 +324,15 @@ class NodeServer:
             for i, got in zip(todo, pages):
                 answer[i] = got
             evicted = self.arena.take_evicted()
-        self._gone(evicted)
+        self.gone(evicted)
         return answer
 
     def _commit(self, holder: Holder, names: list[str], ok: list[bool]) -> None:
         with self.lock:
             ready = self.arena.commit(holder, names, ok)
-            if self.disk is None:
-                return
-            for name in ready:
-                if self.disk.has(name):
-                    continue
-                self.arena.pin(self._disk_holder, [name], count=False)
-                try:
-                    self._disk_jobs.put_nowait(name)
-                except queue.Full:  # the disk is behind: this entry stays in memory only
-                    self.arena.unpin(self._disk_holder, [name])
-                    self.counters["disk_skipped"] += 1
+            if self._writer is not None:
+                self._writer.add(ready)
+            self.watchers.tell(p.Held, ready)  # under the lock: in the order of the index's changes
 
     def _pin(self, holder: Holder, names: list[str]) -> list:
         with self.lock:
@@ -346,10 +351,10 @@ class NodeServer:
             evicted = self.arena.take_evicted()
             if pages == []:  # read back by another connection meanwhile
                 return self.arena.pin(holder, [name])[0]
-        self._gone(evicted)
+        self.gone(evicted)
         if pages is None:
             return None
-        ok = self.disk.read_into(name, p.entry_views(self._memory, self.arena.page_bytes, size, pages))
+        ok = self.disk.read_into(name, p.entry_views(self.memory, self.arena.page_bytes, size, pages))
         with self.lock:
             self.arena.commit(holder, [name], [ok])
             if not ok:
@@ -360,25 +365,20 @@ class NodeServer:
     def _holds(self, name: str) -> bool:
         return self.arena.holds(name) or (self.disk is not None and self.disk.has(name))
 
-    def _gone(self, names: list[str]) -> None:
+    def gone(self, names: list[str]) -> None:
         """Names that left memory, or the disk: gone for the node unless it still holds them."""
-        names = [n for n in names if self.disk is None or not self.disk.has(n)]
-        if self.events is not None:
-            with self.lock:  # stored again meanwhile: its announcement stands
-                self.events.gone([n for n in names if not self.arena.holds(n)])
-        self.watchers.tell(names)
+        if not names:
+            return
+        with self.lock:  # one stored again meanwhile is not gone: its announcement and its Held stand
+            names = [n for n in names if not self._holds(n)]
+            if self.events is not None:
+                self.events.gone(names)
+            self.watchers.tell(p.Gone, names)
 
-    # --- the disk --------------------------------------------------------------------
-    def _write_through(self) -> None:
-        while True:
-            name = self._disk_jobs.get()
-            with self.lock:
-                size, pages = self.arena.pages_of(name)  # pinned by the disk holder: still there
-            written, deleted = self.disk.write(name, p.entry_views(self._memory, self.arena.page_bytes, size, pages))
-            with self.lock:
-                self.arena.unpin(self._disk_holder, [name])
-                deleted = [n for n in deleted if not self.arena.holds(n)]
-            self._gone(deleted)
+    def _held(self) -> list[str]:
+        """Every name the node holds, in memory or on its disk."""
+        with self.lock:
+            return list(dict.fromkeys(self.arena.ready_names() + (self.disk.names() if self.disk is not None else [])))
 
     # --- what it says about itself -------------------------------------------------
     def stats(self) -> dict:
@@ -391,6 +391,41 @@ class NodeServer:
             if self.disk is not None:
                 stats["on_disk"] = self.disk.stats()
         return stats
+
+
+class _WriteThrough:
+    """The node's disk writers: each new entry, pinned meanwhile, written to the disk by threads of their own."""
+
+    def __init__(self, server: NodeServer, num_threads: int):
+        self.server, self.holder = server, Holder("node-disk")
+        self.jobs: queue.Queue = queue.Queue(DISK_QUEUE)
+        for i in range(num_threads):
+            threading.Thread(target=self._run, daemon=True, name=f"kvtier-node-disk-{i}").start()
+
+    def add(self, ready: list[str]) -> None:
+        """Under the server's lock: queue the new entries for the disk."""
+        server = self.server
+        for name in ready:
+            if server.disk.has(name):
+                continue
+            server.arena.pin(self.holder, [name], count=False)
+            try:
+                self.jobs.put_nowait(name)
+            except queue.Full:  # the disk is behind: this entry stays in memory only
+                server.arena.unpin(self.holder, [name])
+                server.counters["disk_skipped"] += 1
+
+    def _run(self) -> None:
+        server = self.server
+        while True:
+            name = self.jobs.get()
+            with server.lock:
+                size, pages = server.arena.pages_of(name)  # pinned by the disk holder: still there
+            views = p.entry_views(server.memory, server.arena.page_bytes, size, pages)
+            _, deleted = server.disk.write(name, views)
+            with server.lock:
+                server.arena.unpin(self.holder, [name])
+            server.gone(deleted)
 
 
 def _engines(holders) -> dict:

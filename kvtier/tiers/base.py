@@ -298,10 +298,12 @@ class SharedStore(TierStore):
         store could not ask."""
         raise NotImplementedError(f"{type(self).__name__} answers no existence checks")
 
-    def watch_gone(self, tell: Callable[[list[str]], None]) -> None:
+    def watch_gone(self, tell: Callable[[list[str]], None],
+                   held: Callable[[list[str] | None, bool], None] | None = None) -> None:
         """In an index's lookup process: where the tier's server says which entries it drops on its
         own (evicts, expires), call ``tell(names)`` with those of this instance's names, from a
-        thread of the store's own, as they come. Most tiers cannot say: nothing to do."""
+        thread of the store's own, as they come; where it also says which it holds, ``held(names,
+        complete)`` (``kvtier.tiers.node.watch_gone``). Most tiers cannot say: nothing to do."""
 
     def take_deleted(self) -> list[bytes]:
         """Keys of the entries this store deleted to stay within its size bound since the last call
@@ -353,6 +355,9 @@ class ExistenceIndex(TierIndex):
     request would also sit out every other step. A hit gone stale meanwhile costs a
     failed load (recompute), a miss one block recomputed. A plan uses the answer up
     (``forget``): after a failed load, the request's next lookup asks the tier again.
+
+    A tier whose server tells what it holds as it changes (the node server) answers from that at
+    once, asking nothing (``_known``).
     """
 
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
@@ -393,6 +398,12 @@ class ExistenceIndex(TierIndex):
             return []
         if token is None:
             return [False] * len(keys)  # no token, no later call to answer: the tier is skipped
+        known = self._known(keys)
+        if known is not None:  # the tier's server told what it holds: an answer now, no check, no "ask again"
+            self._pending.pop(token, None)
+            self._unanswered.discard(token)
+            self._silent.discard(token)
+            return self._usable(keys, known)
         entry = self._pending.get(token)
         if entry is None or entry[0] != keys:
             answered = self._answered.get(token)
@@ -429,6 +440,11 @@ class ExistenceIndex(TierIndex):
             self._answered = {t: a for t, a in self._answered.items() if now - a[1] < self.answer_s}
         self._answered[token] = (keys, time.monotonic(), found)
         return self._usable(keys, found)
+
+    def _known(self, keys: tuple[bytes, ...]) -> list[bool] | None:
+        """Whether each key is stored, as far as this index was told it unasked (one bool per key), or
+        None: the tier is to be asked. Most tiers tell nothing: asked."""
+        return None
 
     def wait_for_answers(self, timeout_s: float) -> None:
         """An engine step with nothing to compute while lookups wait for this tier ("ask again"):

@@ -1,9 +1,11 @@
 """The node tier: the host pool and disk that ``kvtier serve node`` keeps for every engine on a machine.
 
 ``node:///run/kvtier/node.sock`` (or the ``node_socket`` key, which stands for it). It is a storage
-pool (``kvtier.tiers.pool``) whose server is on this node: existence checks go through the index's
-lookup process, reads and writes through the I/O process, each behind the pool's breaker (a server
-that is down or slow is a miss, recomputed, and is connected to again after ``remote_retry_s``).
+pool (``kvtier.tiers.pool``) whose server is on this node: reads and writes go through the I/O process,
+behind the pool's breaker (a server that is down or slow is a miss, recomputed, and is connected to
+again after ``remote_retry_s``). The server tells the index's lookup process what it holds of the
+engine's namespace and what it evicts, as it happens (``watch_gone``): lookups are answered from that
+at once, and go through the lookup process as existence checks only while it is not in step.
 Bytes move by memory copies between this worker's host slots and the server's arena, which the client
 maps from the descriptor the server sends it (``kvtier.node.protocol``): a read pins the entry's pages
 for the copy, a write reserves pages, copies, then commits, so no reader ever sees half an entry.
@@ -32,6 +34,9 @@ from kvtier.tiers.pool import PoolClient, PoolStore, PoolUnavailable, make_pool_
 logger = logging.getLogger("kvtier.pool")
 
 ANNOUNCE_QUEUE = 1024  # steps' events waiting for the server; past them they are dropped (a router misses them)
+# A job's bytes move at memory speed, but each job costs a pin round trip to the server and an answer
+# through the I/O process: a load is one job up to this size, its copy to the device after it.
+JOB_BYTES = 32 << 20
 
 
 def socket_path(location: str) -> str:
@@ -228,9 +233,13 @@ class _Moves:
             copy_runs.copy(*(np.array(runs, np.int64) for runs in (self.dst, self.src, self.lengths)))
 
 
-def watch_gone(spec: TierSpec, prefixes, tell) -> None:
-    """Hear what the node server evicts, as it evicts it (a ``Watch`` connection), on a thread of its own;
-    a lost connection is made again every ``retry_s``."""
+def watch_gone(spec: TierSpec, prefixes, tell, held=None) -> None:
+    """Hear what the node server holds and what it evicts, as it stores and evicts it (a ``Watch``
+    connection), on a thread of its own: ``tell(names)`` the evicted, ``held(names, complete)`` the held
+    (``Held``), and ``held(None, False)`` when what was told stands no more (a new connection, which
+    tells all again, or a lost one). A lost connection is made again every ``retry_s``."""
+    held = held or (lambda names, complete: None)
+
     def run():
         failing = False
         while True:
@@ -240,15 +249,19 @@ def watch_gone(spec: TierSpec, prefixes, tell) -> None:
                 os.close(fd)  # a watcher copies nothing
                 sock.settimeout(None)
                 failing = False
+                held(None, False)
                 while (message := p.receive(sock)) is not None:
                     if isinstance(message, p.Gone):
                         tell(message.names)
+                    elif isinstance(message, p.Held):
+                        held(message.names, message.complete)
             except Exception as error:  # the server went away: heard again once it is back
                 if not failing:
-                    logger.warning("kvtier: lost the node server's eviction notices (%s); trying again every %.0f s",
-                                   error, spec.retry_s)
+                    logger.warning("kvtier: lost the node server's notices of what it holds (%s); trying again "
+                                   "every %.0f s", error, spec.retry_s)
                 failing = True
             finally:
+                held(None, False)
                 if sock is not None:
                     sock.close()
             time.sleep(spec.retry_s)
@@ -338,7 +351,8 @@ def _address(spec: TierSpec) -> str:
     return f"{socket.gethostname()}:{socket_path(spec.location)}"  # one node's server, the same for its engines
 
 
-KIND = TierKind("node", make_index, make_store, shared=True, medium="CPU", address=_address, validate=validate,
+KIND = TierKind("node", make_index, make_store, shared=True, job_bytes=JOB_BYTES, medium="CPU", address=_address,
+                validate=validate,
                 notices=lambda spec: "; its evictions are told as they happen",
                 write_record=write_record, read_records=read_records, held_from_outside=held_from_outside,
                 release_outside=release_outside, announcer=Announcer)

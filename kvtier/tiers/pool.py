@@ -29,9 +29,11 @@ from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 import numpy as np
+import xxhash
 
 from kvtier.common.entry import HEADER_BYTES, check_entry, encode_header
 from kvtier.common.redact import redact
+from kvtier.io.messages import Held
 from kvtier.tiers.base import ExistenceIndex, Miss, SharedStore, TierSpec, bad, gone, index_timings, unavailable
 
 logger = logging.getLogger("kvtier.pool")
@@ -338,7 +340,24 @@ class PoolIndex(ExistenceIndex):
 
         super().__init__(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
                          wait=self.lookups.wait_until, **index_timings(spec))
-        self.lookups.on_gone = lambda names: self.told_gone(_keys_of(names))
+        self._ranks = ranks
+        self._held = _Held()
+        self.lookups.on_news = self._take_news
+
+    def _take_news(self, message) -> None:
+        """On the thread that took it, in the order the lookup process sent it."""
+        if isinstance(message, Held):
+            self._held.told(message.names, message.complete)
+        else:  # Gone
+            self._held.drop(message.names)
+            self.told_gone(_keys_of(message.names))
+
+    def _known(self, keys):
+        return self._held.answer([[pool_key(fp, key) for fp in self._ranks] for key in keys])
+
+    def complete_load(self, keys, bad_keys, gone_keys=()):
+        self._held.drop([pool_key(fp, key) for key in gone_keys for fp in self._ranks])
+        super().complete_load(keys, bad_keys, gone_keys)
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "down": self._down[0]}
@@ -346,6 +365,49 @@ class PoolIndex(ExistenceIndex):
     def close(self) -> None:
         super().close()
         self.lookups.close(0.0)
+
+
+class _Held:
+    """The names that a pool's server says it holds (the node server: ``Held`` notices; no other pool
+    says), as hashes, kept by whichever thread takes the lookup process's news and read by the
+    scheduler's: each step under the GIL, a set's add, discard and membership test need no lock.
+    ``complete`` once the server has told all it held when the watch began, and every name since:
+    a name not among them is then a miss, answered at once as a hit is."""
+
+    MAX_NAMES = 1 << 18  # about 20 MiB of hashes; past them a name not among them is asked of the server
+
+    def __init__(self):
+        self._names: set[int] = set()
+        self._complete = False
+        self._full = False
+
+    def told(self, names: list[str] | None, complete: bool) -> None:
+        if names is None:  # a new watch (it tells all again), or a lost one: nothing told stands
+            self._complete, self._full = False, False
+            self._names = set()
+            return
+        room = self.MAX_NAMES - len(self._names)
+        self._full = self._full or len(names) > room
+        self._names.update(_name_hash(name) for name in names[:max(room, 0)])
+        if complete:
+            self._complete = not self._full
+
+    def drop(self, names: Sequence[str]) -> None:
+        held = self._names
+        for name in names:
+            held.discard(_name_hash(name))
+
+    def answer(self, names_per_key: list[list[str]]) -> list[bool] | None:
+        """Whether each key's names (one per rank) are all held, or None where that is not known."""
+        held, complete = self._names, self._complete
+        if not held:
+            return [False] * len(names_per_key) if complete else None
+        found = [all(_name_hash(name) in held for name in names) for names in names_per_key]
+        return found if complete or all(found) else None
+
+
+def _name_hash(name: str) -> int:
+    return xxhash.xxh3_64_intdigest(name.encode())
 
 
 def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> PoolIndex:
@@ -528,16 +590,16 @@ class PoolStore(SharedStore):
     """Entries of one rank in a storage pool, moved in batches straight from and into host slots."""
 
     def __init__(self, spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int, connect: Callable[[], PoolClient],
-                 watch: Callable[[TierSpec, Sequence[str], Callable[[list[str]], None]], None] | None = None):
+                 watch: Callable[..., None] | None = None):
         self.client = GuardedClient(spec.location, connect, spec.timeout_s, spec.retry_s)
         self.rank_fingerprint = rank_fingerprint
         self.slot_bytes = slot_bytes
         self._spec, self._watch = spec, watch  # ``watch``: the backend's notices of what its server drops
 
-    def watch_gone(self, tell) -> None:
+    def watch_gone(self, tell, held=None) -> None:
         prefixes = self._spec.options.get("gone_prefixes")  # an index's lookup process: its ranks' names
         if self._watch is not None and prefixes:
-            self._watch(self._spec, prefixes, tell)
+            self._watch(self._spec, prefixes, tell, held)
 
     def attach(self, host_slots, heads=None) -> None:
         super().attach(host_slots, heads)

@@ -54,7 +54,7 @@ def make_store(spec: TierSpec, rank_fingerprint: bytes, slot_bytes: int) -> Pool
                      watch=watch_gone)
 
 
-def watch_gone(spec: TierSpec, prefixes, tell) -> None:
+def watch_gone(spec: TierSpec, prefixes, tell, held=None) -> None:
     """Hear the server's own evictions and expiries (keyspace notifications) of names under ``prefixes``,
     on a thread of their own (``GoneNotices``). Redis Cluster's notices stay on each node: not heard."""
     if urlparse(spec.location).scheme.endswith("+cluster"):
