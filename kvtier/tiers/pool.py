@@ -340,8 +340,7 @@ class PoolIndex(ExistenceIndex):
 
         super().__init__(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
                          wait=self.lookups.wait_until, **index_timings(spec))
-        self._ranks = ranks
-        self._held = _Held()
+        self._held = _Held(ranks)
         self.lookups.on_news = self._take_news
 
     def _take_news(self, message) -> None:
@@ -349,14 +348,14 @@ class PoolIndex(ExistenceIndex):
         if isinstance(message, Held):
             self._held.told(message.names, message.complete)
         else:  # Gone
-            self._held.drop(message.names)
+            self._held.drop(_name_hash(name) for name in message.names)
             self.told_gone(_keys_of(message.names))
 
     def _known(self, keys):
-        return self._held.answer([[pool_key(fp, key) for fp in self._ranks] for key in keys])
+        return self._held.answer(keys)
 
     def complete_load(self, keys, bad_keys, gone_keys=()):
-        self._held.drop([pool_key(fp, key) for key in gone_keys for fp in self._ranks])
+        self._held.drop(_entry_hash(fp, key) for key in gone_keys for fp in self._held.ranks)
         super().complete_load(keys, bad_keys, gone_keys)
 
     def stats(self) -> dict[str, int]:
@@ -376,8 +375,9 @@ class _Held:
 
     MAX_NAMES = 1 << 18  # about 20 MiB of hashes; past them a name not among them is asked of the server
 
-    def __init__(self):
-        self._names: set[int] = set()
+    def __init__(self, ranks: Sequence[bytes]):
+        self.ranks = list(ranks)
+        self._names: set[int] = set()  # ``_entry_hash`` of each: a lookup hashes bytes, formats no name
         self._complete = False
         self._full = False
 
@@ -392,22 +392,32 @@ class _Held:
         if complete:
             self._complete = not self._full
 
-    def drop(self, names: Sequence[str]) -> None:
+    def drop(self, hashes) -> None:
         held = self._names
-        for name in names:
-            held.discard(_name_hash(name))
+        for each in hashes:
+            held.discard(each)
 
-    def answer(self, names_per_key: list[list[str]]) -> list[bool] | None:
-        """Whether each key's names (one per rank) are all held, or None where that is not known."""
+    def answer(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key's entries (one per rank) are all held, or None where that is not known."""
         held, complete = self._names, self._complete
         if not held:
-            return [False] * len(names_per_key) if complete else None
-        found = [all(_name_hash(name) in held for name in names) for names in names_per_key]
+            return [False] * len(keys) if complete else None
+        found = [all(_entry_hash(fp, key) in held for fp in self.ranks) for key in keys]
         return found if complete or all(found) else None
 
 
+def _entry_hash(rank_fingerprint: bytes, key: bytes) -> int:
+    """One rank's entry of a block (``pool_key``'s name), as ``_Held`` keeps it."""
+    return xxhash.xxh3_64_intdigest(rank_fingerprint + key)
+
+
 def _name_hash(name: str) -> int:
-    return xxhash.xxh3_64_intdigest(name.encode())
+    """``_entry_hash`` of a pool name; a name that is not one of kvtier's hashes to one no key has."""
+    try:
+        _, rank, key = name.split("/")
+        return _entry_hash(bytes.fromhex(rank), bytes.fromhex(key))
+    except ValueError:
+        return -1
 
 
 def make_pool_index(spec: TierSpec, rank_fingerprints: Sequence[bytes]) -> PoolIndex:
