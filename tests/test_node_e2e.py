@@ -73,6 +73,14 @@ def settled(node, timeout=15.0) -> dict:
         time.sleep(0.1)
 
 
+def said(folder, name: str) -> str:
+    """What a failed check prints: kvtier's warnings and errors, and its lines about the node, in a run's log."""
+    log = Path(folder, f"{name}.log")
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    told = [line for line in lines if "kvtier" in line and ("WARNING" in line or "ERROR" in line or "node" in line)]
+    return f"{log}:\n" + "\n".join(told[-40:] or ["nothing"])
+
+
 def space(state) -> dict:
     """The counters of the model's one namespace (the namespace records kvtier leaves are "other")."""
     (found,) = [s for name, s in state["namespaces"].items() if name != "other"]
@@ -93,12 +101,15 @@ def test_engine_b_loads_what_engine_a_stored_from_the_nodes_memory_and_a_restart
         again = apps.run_app(workdir, f"a-again-{layout}", spec(model, node, layout, [{"prompts": [tokens]}]))
         after = settled(node)
     assert a["phases"][0]["outputs"]["0"]["tokens"] == reference["shared"]
-    for run in (b, again):
-        out = run["phases"][0]["outputs"]["0"]
-        assert out["cached"] == full and out["tokens"] == reference["shared"]
     blocks = full // BLOCK
+    assert stored["stores"] >= blocks, f"A's blocks did not all reach the node: {stored}\n{said(workdir, f'a-{layout}')}"
+    for name, run in ((f"b-{layout}", b), (f"a-again-{layout}", again)):
+        out = run["phases"][0]["outputs"]["0"]
+        assert out["cached"] == full and out["tokens"] == reference["shared"], (
+            f"{name}: {out['cached']} of {full} tokens cached\n{said(workdir, name)}\n"
+            f"the node: {space(after_b if name.startswith('b-') else after)}\n{said(tmp_path, 'node')}")
     space_b, space_after = space(after_b), space(after)
-    assert stored["stores"] >= blocks and space_b["stores"] == stored["stores"]  # B wrote nothing already held
+    assert space_b["stores"] == stored["stores"]  # B wrote nothing already held
     assert space_b["hits_other_engine"] - stored["hits_other_engine"] == blocks  # B's hits: A's entries
     assert space_after["hits"] - space_b["hits"] == blocks and after["disk_reads"] == 0  # from memory, at once
     # Each engine gone, its entries and counters are the departed engines': every hit of B, and of A again,

@@ -437,6 +437,48 @@ def test_a_redis_expiry_both_heard_and_found_by_an_audit_is_told_once(tmp_path):
         instance.close()
 
 
+def test_an_expiry_heard_before_the_report_of_its_write_is_told_after_it_and_once(tmp_path):
+    """An entry that expires soon after this instance wrote it: the server's notice can be heard before
+    the write's report reaches the scheduler (it comes with a later engine step). Routers hear the
+    block stored, then removed, each once, and the audit finds nothing more to tell."""
+    import redis
+
+    with local_redis(log_path=str(tmp_path / "redis.log")) as server:
+        instance = Instance(server.url, track_holdings=True, remote_audit_s=0.05)
+        keys, fp = keys_of(range(1, 9)), instance.worker.rank_fingerprint
+        assert instance.lookup(keys_of([99])) == 0  # the lookup process is up, and listens for notices
+        time.sleep(0.5)
+        ledger, index, raw = instance.manager.ledger, instance.manager.tiers[0], redis.Redis.from_url(server.url)
+        instance.worker.submit_store(instance.manager.plan_store("a", keys, list(range(1, 9))))
+        deadline, reports = time.monotonic() + 10, []
+        while not reports:  # the write is done; its report is not yet taken
+            assert time.monotonic() < deadline, "the store did not finish"
+            reports = instance.worker.poll()
+            time.sleep(0.001)
+        names = [pool_key(fp, key) for key in keys]
+        for name in names:
+            raw.pexpire(name, 10)
+        while raw.exists(*names):
+            assert time.monotonic() < deadline, "the entries did not expire"
+            time.sleep(0.01)
+        time.sleep(0.5)  # their notices are heard by now
+        mine = lambda: [told for told in ledger.take_holdings() if told[1] == index.name]  # not the host pool's
+        assert mine() == []  # nothing said of a block before its write is reported
+        instance.manager.on_reports(reports)
+        told = mine()
+        while len(told) < 2 * len(keys):
+            assert time.monotonic() < deadline + 10, f"the expiries were not told: {told}"
+            time.sleep(0.01)
+            told += mine()
+        assert told[:len(keys)] == [("stored", index.name, key) for key in keys]
+        assert sorted(told[len(keys):]) == [("evicted", index.name, key) for key in sorted(keys)]
+        time.sleep(0.5)  # the audit has asked about the stored blocks by now
+        assert mine() == []
+        assert index.audit.num_found_gone == 0 and index.num_told_gone == len(keys)
+        assert instance.manager.host.num_pins == 0
+        instance.close()
+
+
 def test_existence_queries_never_wait_on_a_silent_pool():
     from kvtier.tiers import redis as redis_tier
 

@@ -22,7 +22,7 @@ import importlib
 import os
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from urllib.parse import parse_qs, urlparse
@@ -360,6 +360,8 @@ class ExistenceIndex(TierIndex):
     once, asking nothing (``_known``).
     """
 
+    DEFER_S = 60.0  # the longest a notice waits for the report of this instance's write of its key
+
     def __init__(self, name: str, start: Callable[[list[bytes]], Any], timeout_s: float,
                  failed_ttl_s: float = 30.0, max_pending: int = 64, audit_s: float = 0.0,
                  wait: Callable[[Callable[[], bool], float], Any] | None = None, answer_s: float = 1.0):
@@ -386,6 +388,10 @@ class ExistenceIndex(TierIndex):
         # on the scheduler's (``absorb_news``). A deque: appends and pops need no lock across threads.
         # Bounded: an engine that takes no step for long keeps the latest news only, as the ledger does.
         self._news: deque[bytes] = deque(maxlen=200_000)
+        # This instance's writes planned and not yet reported, per key: news of such a key is about the
+        # entry that write made (its report comes with a later engine step), so it is told after it.
+        self._writing: Counter[bytes] = Counter()
+        self._deferred: list[tuple[bytes, float]] = []  # (key, when heard) held back for a write's report
         self.num_told_gone = 0
         self.num_deleted = 0  # by this instance's store, to stay within the tier's bound
         # What the tier drops in silence (Mooncake's evictions, another instance's bound) is found by
@@ -468,7 +474,15 @@ class ExistenceIndex(TierIndex):
         now = time.monotonic()
         return [bool(hit) and self._failed.get(key, 0.0) <= now for key, hit in zip(keys, found)]
 
+    def prepare_store(self, keys):
+        self._writing.update(keys)
+        return super().prepare_store(keys)
+
     def complete_store(self, written, failed=(), deleted=(), full=False):
+        self._writing.subtract((*written, *failed))
+        for key in (*written, *failed):
+            if self._writing[key] <= 0:
+                del self._writing[key]
         if self.holdings is not None:
             self.holdings += [("stored", self.name, key) for key in written]
         if self.audit is not None:
@@ -510,9 +524,20 @@ class ExistenceIndex(TierIndex):
         found_gone = self.audit.step() if self.audit is not None else []
         if found_gone:
             self._drop_gone(found_gone)
-        if not self._news:  # the usual step: nothing told
+        if not self._news and not self._deferred:  # the usual step: nothing told
             return
-        keys = [self._news.popleft() for _ in range(len(self._news))]  # the other thread only appends
+        now = time.monotonic()
+        # A server's notice can come before the report of the write it is about (an entry that expired
+        # soon after this instance wrote it): told after that write's "stored", in the order they
+        # happened, or a router would hear it removed, then stored. A write never reported (its worker
+        # died) holds its news back for DEFER_S at most.
+        heard = self._deferred + [(self._news.popleft(), now)  # the other thread only appends
+                                  for _ in range(len(self._news))]
+        self._deferred = [(key, when) for key, when in heard if key in self._writing and now - when < self.DEFER_S]
+        held_back = {key for key, _ in self._deferred}
+        keys = [key for key, _ in heard if key not in held_back]
+        if not keys:
+            return
         if self.audit is not None:  # what an audit found gone already was told then
             keys = self.audit.news(keys)
         self.num_told_gone += len(keys)
