@@ -479,10 +479,11 @@ class ExistenceIndex(TierIndex):
         return super().prepare_store(keys)
 
     def complete_store(self, written, failed=(), deleted=(), full=False):
-        self._writing.subtract((*written, *failed))
-        for key in (*written, *failed):
-            if self._writing[key] <= 0:
-                del self._writing[key]
+        for key in (*written, *failed):  # released where the host slots are: every job ends in a report
+            if self._writing[key] > 1:
+                self._writing[key] -= 1
+            else:
+                self._writing.pop(key, None)
         if self.holdings is not None:
             self.holdings += [("stored", self.name, key) for key in written]
         if self.audit is not None:
