@@ -465,7 +465,7 @@ def test_an_expiry_heard_before_the_report_of_its_write_is_told_after_it_and_onc
         told = []
         # Until every notice is heard: heard later, after the write's report, the audit could find the
         # entries gone first.
-        while len(told) + len(getattr(index, "_deferred", ())) < len(keys):  # held back, or told
+        while len(told) + len(index._deferred) < len(keys):  # held back, or told
             assert time.monotonic() < deadline + 10, "the expiries were not heard"
             time.sleep(0.01)
             told += mine()
