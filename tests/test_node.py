@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
@@ -417,6 +418,53 @@ def test_an_engine_answers_lookups_from_what_the_node_tells_it_holds_and_asks_ag
         assert b.manager.host.num_pins == 0
         for engine in (a, b):
             engine.close()
+
+
+def test_an_engine_slow_to_finish_its_start_loses_nothing_the_node_told_it_meanwhile(tmp_path, monkeypatch):
+    """The lookup process tells what the node holds as soon as it is up. Here the engine's thread is held
+    after building it until that whole list has arrived: none of it may be lost on the way (a list heard
+    only at its end would stand for "the node holds nothing", every lookup a miss)."""
+    from kvtier.io import client
+    from kvtier.io.messages import Held
+
+    told = threading.Event()
+    dispatch, build = client.IOProcess._dispatch, client.IOProcess.__init__
+
+    def dispatched(self, messages):
+        dispatch(self, messages)
+        if any(isinstance(m, Held) and m.complete for m in messages):
+            told.set()
+
+    def built(self, memory_fd, *args, **kwargs):
+        build(self, memory_fd, *args, **kwargs)
+        if memory_fd is None:  # a lookup process: its list heard in full before its builder goes on
+            assert told.wait(10.0), "the node never told the lookup process what it holds"
+
+    monkeypatch.setattr(client.IOProcess, "_dispatch", dispatched)
+    monkeypatch.setattr(client.IOProcess, "__init__", built)
+    with local_node(str(tmp_path), disk=False) as node:
+        a = Engine(node)
+        assert a.store(range(0, 12), list(range(12))).success
+        told.clear()  # A's own list came before it stored
+        b = Engine(node)
+        assert answered_at_once(b, keys_of(range(0, 14)), 12, timeout=3.0)
+        for engine in (a, b):
+            engine.close()
+
+
+def test_a_list_of_what_the_node_holds_heard_from_its_middle_on_answers_nothing():
+    """A watch's first notice resets what was told; "complete" without it (its start lost) is no list of
+    all the node holds: a lookup is then asked of the server, never answered "held nowhere"."""
+    from kvtier.tiers.pool import _Held, pool_key
+
+    rank, key = bytes(16), keys_of([7])[0]
+    held = _Held([rank])
+    held.told([], complete=True)
+    assert held.answer([key]) is None
+    held.told(None, False)
+    held.told([pool_key(rank, key)], complete=False)
+    held.told([], complete=True)
+    assert held.answer([key, keys_of([8])[0]]) == [True, False]
 
 
 class Published:

@@ -81,6 +81,15 @@ def said(folder, name: str) -> str:
     return f"{log}:\n" + "\n".join(told[-40:] or ["nothing"])
 
 
+def inside(run: dict) -> str:
+    """What a failed check prints of kvtier's own counters (an engine in the test's layout "in_process")."""
+    state = run.get("kvtier")
+    if state is None:
+        return "kvtier's counters: not readable in this layout"
+    keys = ("misses", "tier_checks", "lookup_waits", "lookups_overdue", "lookups_refused", "verify_failures")
+    return f"kvtier's counters: { {key: state.get(key) for key in keys} }"
+
+
 def space(state) -> dict:
     """The counters of the model's one namespace (the namespace records kvtier leaves are "other")."""
     (found,) = [s for name, s in state["namespaces"].items() if name != "other"]
@@ -106,7 +115,7 @@ def test_engine_b_loads_what_engine_a_stored_from_the_nodes_memory_and_a_restart
     for name, run in ((f"b-{layout}", b), (f"a-again-{layout}", again)):
         out = run["phases"][0]["outputs"]["0"]
         assert out["cached"] == full and out["tokens"] == reference["shared"], (
-            f"{name}: {out['cached']} of {full} tokens cached\n{said(workdir, name)}\n"
+            f"{name}: {out['cached']} of {full} tokens cached\n{said(workdir, name)}\n{inside(run)}\n"
             f"the node: {space(after_b if name.startswith('b-') else after)}\n{said(tmp_path, 'node')}")
     space_b, space_after = space(after_b), space(after)
     assert space_b["stores"] == stored["stores"]  # B wrote nothing already held

@@ -101,7 +101,7 @@ class Check:
 
 class IOProcess:
     def __init__(self, memory_fd: int | None, specs: Sequence[TierSpec], rank_fingerprint: bytes,
-                 slots: HostSlots | None, drain_s: float = 10.0):
+                 slots: HostSlots | None, drain_s: float = 10.0, on_news: Callable[[Gone | Held], None] | None = None):
         self._memory_fd = memory_fd  # None (and no slots): a lookup process, with no host pool (``check`` only)
         self.role = "I/O process" if memory_fd is not None else "lookup process"
         # A page the I/O process shares with this worker, where it counts the answers it has sent:
@@ -132,7 +132,7 @@ class IOProcess:
         self._process: subprocess.Popen | None = None
         self._flush_done = threading.Event()
         # A lookup process's news (``Gone``, ``Held``): called with it, on whichever thread takes answers.
-        self.on_news: Callable[[Gone | Held], None] | None = None
+        self.on_news = on_news  # set before the process starts, which tells at once; news with no handler is lost
         self._start()
 
     @property

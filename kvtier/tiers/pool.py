@@ -331,7 +331,6 @@ class PoolIndex(ExistenceIndex):
         ranks = list(rank_fingerprints)
         prefixes = [pool_key(fp, b"") for fp in ranks]  # "kvtier/<rank>/": the names of this layout's blocks
         watched = dataclasses.replace(spec, options={**spec.options, "gone_prefixes": prefixes})
-        self.lookups = IOProcess(None, [watched], bytes(16), None, drain_s=0.0)
         self._down = [0]  # the store's count, as of its last answer
 
         def start(keys: list[bytes]) -> _PoolCheck:
@@ -339,9 +338,10 @@ class PoolIndex(ExistenceIndex):
                               len(ranks), self._down)
 
         super().__init__(spec.name, start, spec.timeout_s, failed_ttl_s=max(spec.retry_s, 30.0),
-                         wait=self.lookups.wait_until, **index_timings(spec))
+                         wait=lambda done, timeout_s: self.lookups.wait_until(done, timeout_s), **index_timings(spec))
         self._held = _Held(ranks)
-        self.lookups.on_news = self._take_news
+        # Last, with everything its news lands in built: the process tells what its server holds at once.
+        self.lookups = IOProcess(None, [watched], bytes(16), None, drain_s=0.0, on_news=self._take_news)
 
     def _take_news(self, message) -> None:
         """On the thread that took it, in the order the lookup process sent it."""
@@ -380,17 +380,18 @@ class _Held:
         self._names: set[int] = set()  # ``_entry_hash`` of each: a lookup hashes bytes, formats no name
         self._complete = False
         self._full = False
+        self._from_start = False  # a watch's first notice (None) was heard: its list is whole when complete
 
     def told(self, names: list[str] | None, complete: bool) -> None:
         if names is None:  # a new watch (it tells all again), or a lost one: nothing told stands
-            self._complete, self._full = False, False
+            self._complete, self._full, self._from_start = False, False, True
             self._names = set()
             return
         room = self.MAX_NAMES - len(self._names)
         self._full = self._full or len(names) > room
         self._names.update(_name_hash(name) for name in names[:max(room, 0)])
-        if complete:
-            self._complete = not self._full
+        if complete:  # a list heard from its middle on is no list of all: its names are asked of the server
+            self._complete = self._from_start and not self._full
 
     def drop(self, hashes) -> None:
         held = self._names

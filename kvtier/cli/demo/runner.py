@@ -107,6 +107,8 @@ def kvtier_state(llm) -> dict:
         "tier_pins": sum(getattr(t, "num_pins", 0) for t in manager.tiers),
         "tier_checks": sum(getattr(t, "num_checks", 0) for t in manager.tiers),  # existence asked of shared tiers
         "lookup_waits": sum(getattr(t, "num_waits", 0) for t in manager.tiers),  # idle steps that waited for those
+        "lookups_overdue": sum(getattr(t, "num_overdue", 0) for t in manager.tiers),  # given up on at timeout_s
+        "lookups_refused": sum(getattr(t, "num_refused", 0) for t in manager.tiers),  # too many checks pending
         "pending_jobs": manager.num_pending,
         "pending_waves": manager.waves.num_under_way,  # loads larger than the host pool, under way
         "finishing_requests": scheduler.num_finishing,  # finished, their blocks still to store
